@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# Tessera launcher: sets up the project's virtual environment when needed, then starts training with the
+# launcher the chosen strategy needs (python for one process, torchrun, or deepspeed).
+#
+#   ./launch.sh                               # train the embedded default (tiny model, embedded data, ddp)
+#   ./launch.sh test [pytest args]            # run the test suite (what .ci/run calls)
+#   ./launch.sh strategy=single train.max_steps=50
+#   ./launch.sh model=hf model.name_or_path=/models/my-llama data=text data.path=/data/corpus.txt
+#
+# Environment: NPROC_PER_NODE (default: the local GPUs, or 2 processes on a CPU-only machine), NNODES (1),
+# NODE_RANK (0), MASTER_ADDR, MASTER_PORT, HOSTFILE (deepspeed), TESSERA_VENV (default ./.venv),
+# TESSERA_PYTHON (the interpreter that creates the venv, default python3), TESSERA_TORCH (the torch
+# requirement installed first, default torch==2.13.0).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+VENV="${TESSERA_VENV:-$ROOT/.venv}"
+PY="$VENV/bin/python"
+STAMP="$VENV/.tessera-installed"
+
+ensure_env() {
+  local want
+  want="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+  if [ -x "$PY" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
+    return
+  fi
+  echo "launch.sh: setting up the environment in $VENV ..." >&2
+  if [ ! -x "$PY" ]; then
+    "${TESSERA_PYTHON:-python3}" -m venv "$VENV"
+  fi
+  # torch first, from an exact requirement: the project's torch range then installs nothing more, where a
+  # bare `torch` would pull a multi-GB CUDA build on a CPU machine.
+  if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+    "$PY" -m pip install -q "${TESSERA_TORCH:-torch==2.13.0}"
+  fi
+  "$PY" -m pip install -q -e "$ROOT[dev]"
+  echo "$want" >"$STAMP"
+}
+
+ensure_env
+
+if [ "${1:-}" = "test" ]; then
+  shift
+  cd "$ROOT"
+  exec "$PY" -m pytest "$@"
+fi
+
+cd "$ROOT"
+export PATH="$VENV/bin:$PATH"
+# One launch time for every process this launch starts: they all agree on the run directory.
+export TESSERA_LAUNCH_TIME="${TESSERA_LAUNCH_TIME:-$(date +%s.%N)}"
+
+if [ -z "${NPROC_PER_NODE:-}" ]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    NPROC_PER_NODE="$(nvidia-smi -L | wc -l)"
+  else
+    NPROC_PER_NODE=2
+  fi
+fi
+NNODES="${NNODES:-1}"
+NODE_RANK="${NODE_RANK:-0}"
+
+launcher="$("$PY" -m trainer.launch_plan "$@")"
+case "$launcher" in
+  python)
+    exec "$PY" trainer/main.py "$@"
+    ;;
+  torchrun)
+    if [ "$NNODES" = 1 ] && [ -z "${MASTER_PORT:-}" ]; then
+      exec torchrun --standalone --nproc_per_node "$NPROC_PER_NODE" trainer/main.py "$@"
+    fi
+    exec torchrun --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$NPROC_PER_NODE" \
+      --master_addr "${MASTER_ADDR:-127.0.0.1}" --master_port "${MASTER_PORT:-29500}" trainer/main.py "$@"
+    ;;
+  deepspeed)
+    args=(--num_gpus "$NPROC_PER_NODE" --master_addr "${MASTER_ADDR:-127.0.0.1}" --master_port "${MASTER_PORT:-29500}")
+    if [ -n "${HOSTFILE:-}" ]; then
+      args=(--hostfile "$HOSTFILE" --master_addr "${MASTER_ADDR:-127.0.0.1}" --master_port "${MASTER_PORT:-29500}")
+    elif [ "$NNODES" != 1 ]; then
+      args+=(--num_nodes "$NNODES" --node_rank "$NODE_RANK" --no_ssh)
+    fi
+    exec deepspeed "${args[@]}" trainer/main.py "$@"
+    ;;
+  *)
+    echo "launch.sh: unknown launcher '$launcher'" >&2
+    exit 2
+    ;;
+esac

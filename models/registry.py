@@ -1,0 +1,208 @@
+"""Model registry: a model kind -> how to describe it (before any process group), build it and load its
+tokenizer. Later strategies add tensor-parallel plans and pipeline splits to the same spec.
+
+Model code here holds no distributed code: strategies parallelize what `build` returns.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Dict
+
+import torch
+
+from trainer.errors import ModelError
+
+VOCAB_MULTIPLE = 8  # presets pad the embedding table so that later tensor-parallel splits divide it
+
+
+@dataclass
+class ModelInfo:
+    """What validation and metrics need to know before any weights exist."""
+
+    hf_config: object  # transformers.PretrainedConfig
+    max_positions: int
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    kind: str
+    make_config: Callable  # (model_cfg, tokenizer) -> PretrainedConfig
+    pretrained: bool
+
+
+_REGISTRY: Dict[str, ModelSpec] = {}
+
+
+def register(spec: ModelSpec) -> None:
+    if spec.kind in _REGISTRY:
+        raise ValueError(f"model kind {spec.kind!r} is registered twice")
+    _REGISTRY[spec.kind] = spec
+
+
+def get_spec(kind: str) -> ModelSpec:
+    if kind not in _REGISTRY:
+        raise ModelError(f"model.kind={kind!r} is unknown; known kinds: {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[kind]
+
+
+def _padded_vocab(tokenizer) -> int:
+    n = len(tokenizer)
+    return (n + VOCAB_MULTIPLE - 1) // VOCAB_MULTIPLE * VOCAB_MULTIPLE
+
+
+def _llama_config(m, tokenizer):
+    from transformers import LlamaConfig
+
+    inter = m.intermediate_size or ((8 * m.hidden_size // 3 + 63) // 64 * 64)
+    return LlamaConfig(
+        vocab_size=_padded_vocab(tokenizer), hidden_size=m.hidden_size, intermediate_size=inter,
+        num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
+        num_key_value_heads=m.num_kv_heads or m.num_heads, max_position_embeddings=m.max_position_embeddings,
+        rope_theta=m.rope_theta, tie_word_embeddings=m.tie_word_embeddings, initializer_range=m.initializer_range,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def _gpt2_config(m, tokenizer):
+    from transformers import GPT2Config
+
+    if m.num_kv_heads not in (None, m.num_heads):
+        raise ModelError("model.kind=gpt2 has no grouped-query attention: leave model.num_kv_heads null")
+    return GPT2Config(
+        vocab_size=_padded_vocab(tokenizer), n_embd=m.hidden_size, n_layer=m.num_layers, n_head=m.num_heads,
+        n_inner=m.intermediate_size, n_positions=m.max_position_embeddings,
+        tie_word_embeddings=m.tie_word_embeddings, initializer_range=m.initializer_range,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        # Dropout off: the numbers must not depend on the dropout RNG of each rank.
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )
+
+
+def _hf_config(m, tokenizer):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(m.name_or_path, revision=m.revision,
+                                          trust_remote_code=m.trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - transformers raises many types; the user needs one message
+        raise ModelError("model.name_or_path: " + _load_message("model config", m.name_or_path, e)) from None
+
+
+def _load_message(what: str, name: str, e: Exception) -> str:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if os.path.exists(name):
+        return f"cannot load the {what} from the local folder {name!r}: {first}"
+    if name.startswith(("/", ".", "~")) or name.count("/") > 1:
+        return f"{name!r}: no such folder"
+    return f"{name!r} is not a local folder, and loading it as a hub id failed: {first}"
+
+
+register(ModelSpec("llama", _llama_config, pretrained=False))
+register(ModelSpec("gpt2", _gpt2_config, pretrained=False))
+register(ModelSpec("hf", _hf_config, pretrained=True))
+
+
+def load_tokenizer(m):
+    """The embedded tokenizer, a tokenizer folder / hub id, or (kind=hf, tokenizer null) the model's own."""
+    from models.tokenizer import embedded_tokenizer
+
+    source = m.tokenizer
+    if m.kind == "hf" and (source is None or source == "embedded" and _has_tokenizer(m.name_or_path)):
+        source = m.name_or_path
+    if source in (None, "embedded"):
+        return embedded_tokenizer()
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(source, revision=m.revision if source == m.name_or_path else None,
+                                            trust_remote_code=m.trust_remote_code)
+    except Exception as e:  # noqa: BLE001
+        key = "model.name_or_path" if source == m.name_or_path else "model.tokenizer"
+        raise ModelError(f"{key}: " + _load_message("tokenizer", source, e)) from None
+    if tok.eos_token_id is None:
+        raise ModelError(f"the tokenizer from {source!r} has no EOS token; packing needs one "
+                         f"(set model.tokenizer to a tokenizer that has one)")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token  # padding positions never carry loss; any id will do
+    return tok
+
+
+def _has_tokenizer(path) -> bool:
+    if not path or not os.path.isdir(path):
+        return True  # a hub id: assume it ships one
+    return any(os.path.exists(os.path.join(path, f)) for f in
+               ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"))
+
+
+def describe(m, tokenizer) -> ModelInfo:
+    """Read (pretrained) or make (preset) the model's config; no weights are touched."""
+    hf_config = get_spec(m.kind).make_config(m, tokenizer)
+    if m.attn_implementation:
+        hf_config._attn_implementation = m.attn_implementation
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+
+    def first(*names, default=None):
+        for n in names:
+            v = getattr(text, n, None)
+            if v is not None:
+                return v
+        return default
+
+    heads = first("num_attention_heads", "n_head")
+    return ModelInfo(
+        hf_config=hf_config,
+        max_positions=first("max_position_embeddings", "n_positions", "max_seq_len", default=1 << 30),
+        num_layers=first("num_hidden_layers", "n_layer"),
+        hidden_size=first("hidden_size", "n_embd"),
+        num_heads=heads,
+        num_kv_heads=first("num_key_value_heads", default=heads),
+        vocab_size=first("vocab_size"),
+    )
+
+
+def model_problems(cfg, info: ModelInfo, tokenizer) -> list:
+    problems = []
+    if cfg.data.seq_len > info.max_positions:
+        key = "model.max_position_embeddings" if cfg.model.kind != "hf" else "the model's max_position_embeddings"
+        problems.append(f"data.seq_len={cfg.data.seq_len} exceeds {key}={info.max_positions}; lower data.seq_len")
+    if len(tokenizer) > info.vocab_size:
+        problems.append(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
+                        f"{info.vocab_size}; set model.tokenizer to the model's own tokenizer")
+    return problems
+
+
+def build(m, info: ModelInfo, seed: int, device: torch.device | str = "cpu", dtype=torch.float32):
+    """Build the model. Presets: random init from `seed` on CPU first, so the initial weights are identical
+    whatever the strategy, world size or device. Pretrained: weights from `name_or_path`."""
+    from transformers import AutoModelForCausalLM
+
+    spec = get_spec(m.kind)
+    kwargs = {}
+    if m.attn_implementation:
+        kwargs["attn_implementation"] = m.attn_implementation
+    if spec.pretrained:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                m.name_or_path, config=info.hf_config, revision=m.revision, trust_remote_code=m.trust_remote_code,
+                dtype=dtype, **kwargs)
+        except Exception as e:  # noqa: BLE001
+            raise ModelError("model.name_or_path: " + _load_message("model weights", m.name_or_path, e)) from None
+    else:
+        cpu_rng = torch.random.get_rng_state()
+        torch.manual_seed(seed)
+        try:
+            model = AutoModelForCausalLM.from_config(info.hf_config, dtype=dtype, **kwargs)
+        finally:
+            torch.random.set_rng_state(cpu_rng)
+    return model.to(device)
+
+
+def count_parameters(model) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,165 @@
+"""Everything between a composed config and a ready-to-train run.
+
+`prepare` checks the whole config (fields, degrees vs world size, the strategy's own rules, the model's
+limits, batch divisibility) and reports every problem at once, then tokenizes the data: all of it before any
+process group starts, so bad input never leaves a rank waiting in a collective. `build` then starts the
+process group, builds the model from the seed, and lets the strategy parallelize it.
+"""
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from models import registry
+from trainer import config as C
+from trainer import parallel
+from trainer.data.datasets import DataSplits, build_data
+from trainer.data.sampler import GlobalBatchSampler
+from trainer.errors import ConfigError, ModelError, TesseraError
+from trainer.metrics import MetricsLogger
+from trainer.optim import build_optimizer, build_scheduler
+from trainer.precision import Precision
+from trainer.strategies import STRATEGIES, strategy_class
+
+
+def log0(msg: str) -> None:
+    if parallel.is_rank0():
+        print(msg, flush=True)
+
+
+@dataclass
+class Prepared:
+    cfg: C.TesseraConfig
+    run_dir: str
+    world_size: int
+    dims: parallel.ParallelDims
+    strategy_cls: type
+    tokenizer: object
+    model_info: registry.ModelInfo
+    data: Optional[DataSplits] = None
+
+
+def check(cfg: C.TesseraConfig, world_size: int):
+    """All configuration problems at once -> (dims, strategy class, tokenizer, model info)."""
+    problems = C.validate(cfg, world_size)
+    cls = strategy_class(cfg.strategy.name)
+    dims = None
+    if cls is None:
+        problems.append(f"strategy.name={cfg.strategy.name!r} is unknown; known: {', '.join(STRATEGIES)}")
+    else:
+        problems += cls.config_problems(cfg, world_size)
+    dim_problems = parallel.ParallelDims.problems(cfg.strategy, world_size)
+    if dim_problems:
+        problems += dim_problems
+    else:
+        dims = parallel.ParallelDims.from_config(cfg.strategy, world_size)
+        problems += C.batch_problems(cfg, dims.dp_size)
+    tokenizer = info = None
+    try:
+        tokenizer = registry.load_tokenizer(cfg.model)
+        info = registry.describe(cfg.model, tokenizer)
+        problems += registry.model_problems(cfg, info, tokenizer)
+    except ModelError as e:
+        problems.append(str(e))
+    if problems:
+        raise ConfigError(dict.fromkeys(problems))  # de-duplicated, order kept
+    return dims, cls, tokenizer, info
+
+
+def prepare(cfg: C.TesseraConfig, run_dir: str) -> Prepared:
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()  # our own progress output only
+    world_size = parallel.env_world_size()
+    dims, cls, tokenizer, info = check(cfg, world_size)
+    prepared = Prepared(cfg, run_dir, world_size, dims, cls, tokenizer, info)
+    prepared.data = build_data(cfg, tokenizer, info.vocab_size, log=log0)
+    GlobalBatchSampler(len(prepared.data.train), cfg.train.global_batch_size, cfg.train.seed)  # size check
+    return prepared
+
+
+def seed_everything(seed: int, rank: int) -> None:
+    random.seed(seed + rank)
+    np.random.seed((seed + rank) % 2**32)
+    torch.manual_seed(seed + rank)
+
+
+@dataclass
+class Run:
+    """A built run: what the loop needs."""
+
+    cfg: C.TesseraConfig
+    run_dir: str
+    strategy: object
+    data: DataSplits
+    sampler: GlobalBatchSampler
+    scheduler: object
+    tokenizer: object
+    model_info: registry.ModelInfo
+    logger: MetricsLogger
+    device: torch.device
+    grad_accum: int
+    num_params: int
+    step: int = 0
+    tokens_seen: int = 0
+    skipped_steps: int = 0
+    extras: dict = field(default_factory=dict)
+
+
+def build(p: Prepared) -> Run:
+    cfg = p.cfg
+    device = parallel.select_device(cfg.train.device)
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # Processes of one node share its cores; oversubscribed threads slow every rank down.
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local, 1)))
+    if p.strategy_cls.needs_process_group:
+        parallel.init_process_group(device, cfg.train.collective_timeout_s)
+        _check_run_dir_agreement(p.run_dir)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    precision = Precision(cfg, device)
+    strategy = p.strategy_cls(cfg, p.dims, device, precision)
+    model = registry.build(cfg.model, p.model_info, cfg.train.seed)
+    num_params = registry.count_parameters(model)
+    seed_everything(cfg.train.seed, rank)
+    strategy.setup(model, lambda named: build_optimizer(cfg, named))
+    scheduler = build_scheduler(cfg, strategy.optimizer)
+    is0 = rank == 0
+    if is0:
+        os.makedirs(p.run_dir, exist_ok=True)
+        OmegaConf.save(OmegaConf.structured(cfg), os.path.join(p.run_dir, "config.yaml"))
+    logger = MetricsLogger(p.run_dir, is0, cfg.train.max_steps, 0, cfg.logging.progress, cfg.logging.tensorboard)
+    accum = C.grad_accumulation_steps(cfg, p.dims.dp_size)
+    logger.info(f"run dir {p.run_dir}")
+    logger.info(f"model {cfg.model.kind} {cfg.model.name_or_path or ''} {num_params / 1e6:.2f}M params | "
+                f"strategy {cfg.strategy.name} world {p.world_size} (dp {p.dims.dp_size}) | device {device} | "
+                f"precision {cfg.precision.name}")
+    logger.info(f"{p.data.description}")
+    logger.info(f"global batch {cfg.train.global_batch_size} = micro {cfg.train.micro_batch_size} x accumulation "
+                f"{accum} x dp {p.dims.dp_size}; {cfg.train.max_steps} steps")
+    sampler = GlobalBatchSampler(len(p.data.train), cfg.train.global_batch_size, cfg.train.seed)
+    return Run(cfg, p.run_dir, strategy, p.data, sampler, scheduler, p.tokenizer, p.model_info, logger, device,
+               accum, num_params)
+
+
+def _check_run_dir_agreement(run_dir: str) -> None:
+    if dist.get_world_size() == 1:
+        return
+    dirs = [None] * dist.get_world_size()
+    dist.all_gather_object(dirs, os.path.abspath(run_dir))
+    if len(set(dirs)) > 1:
+        raise TesseraError(f"ranks disagree on the run directory ({sorted(set(dirs))[:2]} ...); set "
+                           f"hydra.run.dir=<one path> on every node")
+
+
+def close(run: Optional[Run]) -> None:
+    if run is not None:
+        run.logger.close()
+    parallel.destroy_process_group()

@@ -1,0 +1,258 @@
+"""Typed configuration schema (registered with Hydra's ConfigStore) and cross-field validation.
+
+YAML files under conf/ only select and set values; every key must exist here, so unknown keys fail when
+Hydra composes. `validate` then checks the relations between fields and reports every problem at once,
+naming the keys to change, before any process group starts.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+
+@dataclass
+class ModelConfig:
+    # Registry key: "llama" / "gpt2" build a preset from a config with random init; "hf" loads a pretrained
+    # Hugging Face causal LM from `name_or_path` (a local folder or a hub id).
+    kind: str = "llama"
+    name_or_path: Optional[str] = None
+    revision: Optional[str] = None
+    trust_remote_code: bool = False
+    # Tokenizer: "embedded" is the byte-level tokenizer shipped in the code; otherwise a folder or hub id.
+    # For kind=hf, null means the model's own tokenizer.
+    tokenizer: Optional[str] = "embedded"
+    attn_implementation: Optional[str] = "sdpa"
+    # Preset sizes (ignored for kind=hf).
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 8
+    num_kv_heads: Optional[int] = None  # null = num_heads (multi-head attention)
+    intermediate_size: Optional[int] = None  # null = about 8/3 * hidden, rounded up to 64 (llama), 4*hidden (gpt2)
+    max_position_embeddings: int = 1024
+    tie_word_embeddings: bool = False
+    rope_theta: float = 10000.0
+    # Init std of the presets' weights.
+    initializer_range: float = 0.02
+
+
+@dataclass
+class DataConfig:
+    # "embedded" (generated in code, no files), "text" (local text / JSONL / parquet), "hub" (a hub dataset by
+    # name) or "sft" (instruction data: alpaca-style or chat `messages`).
+    kind: str = "embedded"
+    path: Optional[str] = None  # file, folder or glob (text, sft); may be a list separated by commas
+    name: Optional[str] = None  # hub dataset id (kind=hub)
+    config_name: Optional[str] = None
+    split: str = "train"
+    revision: Optional[str] = None
+    text_field: str = "text"
+    seq_len: int = 128
+    val_fraction: float = 0.05  # share of sequences held out for validation (by a seeded permutation)
+    split_seed: int = 0  # seed of the train/validation split (independent of train.seed)
+    cache_dir: Optional[str] = None  # null = $TESSERA_CACHE or ~/.cache/tessera
+    # Embedded corpus size (documents); the default model learns it within a minute.
+    embedded_documents: int = 4000
+    # SFT: chat template override (Jinja); null = tokenizer's own, else Tessera's documented default.
+    chat_template: Optional[str] = None
+    # Cap on documents/records read (null = all); handy for quick runs on big data.
+    max_records: Optional[int] = None
+
+
+@dataclass
+class StrategyConfig:
+    name: str = "ddp"
+    # Parallel degrees; -1 fills the ranks the others leave. Their product must equal the world size.
+    dp_replicate: int = -1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    deepspeed_config: Optional[str] = None
+    # DDP knobs.
+    bucket_cap_mb: float = 25.0
+    find_unused_parameters: bool = False
+    gradient_as_bucket_view: bool = True
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    momentum: float = 0.9  # sgd
+    nesterov: bool = False  # sgd
+
+
+@dataclass
+class SchedulerConfig:
+    name: str = "cosine"  # constant | linear | cosine
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1  # final lr / peak lr for linear and cosine
+
+
+@dataclass
+class PrecisionConfig:
+    name: str = "fp32"  # fp32 | bf16 | fp16
+    # fp16 dynamic loss scaling.
+    init_scale: float = 65536.0
+    growth_interval: int = 2000
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 200
+    global_batch_size: int = 16  # sequences per optimizer step
+    micro_batch_size: int = 8  # sequences per forward/backward on one data-parallel rank
+    seed: int = 1234
+    log_every: int = 10
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping (the norm is still logged)
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    collective_timeout_s: float = 600.0
+
+
+@dataclass
+class EvalConfig:
+    every: int = 50  # 0 disables periodic eval
+    max_sequences: int = 256  # validation sequences evaluated each time (0 = all)
+    at_end: bool = True
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # 0: no periodic checkpoints
+    keep_last: int = 2
+    resume: str = "none"  # auto | none | <path>
+    async_save: bool = False
+
+
+@dataclass
+class LoggingConfig:
+    progress: bool = True  # progress bar on rank 0
+    tensorboard: bool = False
+    # Dense bf16 peak of one device in TFLOP/s for MFU; null = known GPUs are detected, CPU gives no MFU.
+    peak_tflops: Optional[float] = None
+
+
+@dataclass
+class ExportConfig:
+    hf_at_end: bool = True  # write <run dir>/hf at the end of training
+
+
+@dataclass
+class TesseraConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+
+
+def register_configs() -> None:
+    """Make the schema known to Hydra; conf/config.yaml lists `tessera_schema` first in its defaults."""
+    ConfigStore.instance().store(name="tessera_schema", node=TesseraConfig)
+
+
+def to_object(cfg: DictConfig | TesseraConfig) -> TesseraConfig:
+    if isinstance(cfg, TesseraConfig):
+        return cfg
+    plain = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k != "hydra"}
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TesseraConfig), plain))
+
+
+CHOICES = {
+    "model.kind": ("llama", "gpt2", "hf"),
+    "data.kind": ("embedded", "text", "hub", "sft"),
+    "optim.name": ("adamw", "sgd"),
+    "scheduler.name": ("constant", "linear", "cosine"),
+    "precision.name": ("fp32", "bf16", "fp16"),
+}
+
+
+def validate(cfg: TesseraConfig, world_size: int) -> List[str]:
+    """Field-level and cross-field problems of the config alone (strategy- and model-specific checks are added
+    by the strategy class and the model registry). Returns every problem found, each naming its keys."""
+    problems: List[str] = []
+
+    def get(path: str) -> Any:
+        node: Any = cfg
+        for part in path.split("."):
+            node = getattr(node, part)
+        return node
+
+    for key, allowed in CHOICES.items():
+        if get(key) not in allowed:
+            problems.append(f"{key}={get(key)!r} is not one of {', '.join(allowed)}")
+
+    t = cfg.train
+    for key in ("train.max_steps", "train.global_batch_size", "train.micro_batch_size", "train.log_every",
+                "data.seq_len"):
+        if get(key) <= 0:
+            problems.append(f"{key}={get(key)} must be positive")
+    if cfg.train.collective_timeout_s <= 0:
+        problems.append("train.collective_timeout_s must be positive")
+    if t.grad_clip < 0:
+        problems.append(f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
+    if cfg.optim.lr <= 0:
+        problems.append(f"optim.lr={cfg.optim.lr} must be positive")
+    if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
+        problems.append(f"optim.betas={list(cfg.optim.betas)} must be two numbers in [0, 1)")
+    if cfg.scheduler.warmup_steps < 0:
+        problems.append("scheduler.warmup_steps must be >= 0")
+    if t.max_steps > 0 and cfg.scheduler.warmup_steps > t.max_steps and cfg.scheduler.name != "constant":
+        problems.append(f"scheduler.warmup_steps={cfg.scheduler.warmup_steps} must not exceed "
+                        f"train.max_steps={t.max_steps} for a decaying schedule")
+    if not 0 <= cfg.scheduler.min_lr_ratio <= 1:
+        problems.append("scheduler.min_lr_ratio must be in [0, 1]")
+    if not 0 <= cfg.data.val_fraction < 1:
+        problems.append(f"data.val_fraction={cfg.data.val_fraction} must be in [0, 1)")
+    if cfg.eval.every < 0:
+        problems.append("eval.every must be >= 0")
+    if cfg.data.kind in ("text", "sft") and not cfg.data.path:
+        problems.append(f"data.path must be set for data.kind={cfg.data.kind} (a file, folder or glob)")
+    if cfg.data.kind == "hub" and not cfg.data.name:
+        problems.append("data.name must be set for data.kind=hub (a hub dataset id)")
+    if cfg.model.kind == "hf" and not cfg.model.name_or_path:
+        problems.append("model.name_or_path must be set for model=hf (a local folder or a hub id)")
+    if cfg.model.kind != "hf":
+        m = cfg.model
+        if m.hidden_size <= 0 or m.num_layers <= 0 or m.num_heads <= 0:
+            problems.append("model.hidden_size, model.num_layers and model.num_heads must be positive")
+        elif m.hidden_size % m.num_heads:
+            problems.append(f"model.hidden_size={m.hidden_size} must be divisible by model.num_heads={m.num_heads}")
+        if m.num_kv_heads is not None and (m.num_kv_heads <= 0 or m.num_heads % m.num_kv_heads):
+            problems.append(f"model.num_heads={m.num_heads} must be divisible by model.num_kv_heads={m.num_kv_heads}")
+    if t.device not in ("auto", "cpu") and not t.device.startswith("cuda"):
+        problems.append(f"train.device={t.device!r} must be auto, cpu, cuda or cuda:N")
+    if cfg.checkpoint.resume not in ("none", "auto") and not os.path.exists(cfg.checkpoint.resume):
+        problems.append(f"checkpoint.resume={cfg.checkpoint.resume!r}: no such path (use auto, none or a path)")
+    return problems
+
+
+def batch_problems(cfg: TesseraConfig, dp_size: int) -> List[str]:
+    """Global batch = micro batch x accumulation x data-parallel degree, exactly."""
+    gbs, mbs = cfg.train.global_batch_size, cfg.train.micro_batch_size
+    if gbs <= 0 or mbs <= 0 or dp_size <= 0:
+        return []
+    if gbs % (mbs * dp_size):
+        return [f"train.global_batch_size={gbs} must be divisible by train.micro_batch_size={mbs} x "
+                f"data-parallel degree {dp_size} (= {mbs * dp_size}); change train.global_batch_size or "
+                f"train.micro_batch_size"]
+    return []
+
+
+def grad_accumulation_steps(cfg: TesseraConfig, dp_size: int) -> int:
+    return cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp_size)

@@ -1,0 +1,153 @@
+"""Fixed-length training sequences over a token store, the train/validation split, and their assembly.
+
+Each sequence is (input_ids, labels) of length seq_len; labels[t] is the target of position t (the next
+token) or -100 where no loss is taken. Packed text: the token stream (documents joined by EOS) is cut into
+windows of seq_len + 1 tokens that overlap by one. SFT: one example per sequence, truncated and padded,
+labels only on response tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from trainer.data import sft, sources
+from trainer.data.embedded import VERSION as EMBEDDED_VERSION, embedded_documents
+from trainer.data.store import TokenStore, build_or_load, default_cache_dir, tokenizer_fingerprint
+from trainer.errors import DataError
+
+IGNORE = -100
+
+
+class PackedSequences:
+    def __init__(self, store: TokenStore, seq_len: int):
+        self.tokens, self.seq_len = store.tokens, seq_len
+        self.num = (len(self.tokens) - 1) // seq_len
+
+    def __len__(self):
+        return self.num
+
+    def get(self, indices) -> dict:
+        L = self.seq_len
+        rows = np.stack([np.asarray(self.tokens[i * L: i * L + L + 1], dtype=np.int64) for i in indices])
+        return {"input_ids": torch.from_numpy(rows[:, :-1].copy()), "labels": torch.from_numpy(rows[:, 1:].copy())}
+
+    def count_targets(self, indices) -> int:
+        return len(indices) * self.seq_len
+
+
+class SFTSequences:
+    def __init__(self, store: TokenStore, seq_len: int, pad_id: int):
+        self.tokens, self.mask, self.offsets = store.tokens, store.mask, store.offsets
+        self.seq_len, self.pad_id = seq_len, pad_id
+        starts, ends = self.offsets[:-1], self.offsets[1:]
+        stop = np.minimum(ends, starts + seq_len + 1)
+        csum = np.concatenate([[0], np.cumsum(np.asarray(self.mask, dtype=np.int64))])
+        # Targets are positions 1.. of an example (position 0 has no previous token to predict it from).
+        targets = csum[stop] - csum[np.minimum(starts + 1, stop)]
+        self.keep = np.nonzero(targets > 0)[0]  # examples whose response survives truncation
+        self.targets = targets[self.keep]
+        self.dropped = int(len(starts) - len(self.keep))
+        if not len(self.keep):
+            raise DataError(f"no SFT example keeps a response token within data.seq_len={seq_len}; "
+                            f"raise data.seq_len")
+
+    def __len__(self):
+        return len(self.keep)
+
+    def get(self, indices) -> dict:
+        L = self.seq_len
+        ids = np.full((len(indices), L + 1), self.pad_id, dtype=np.int64)
+        tgt = np.zeros((len(indices), L + 1), dtype=bool)
+        for row, i in enumerate(indices):
+            ex = self.keep[i]
+            lo, hi = self.offsets[ex], min(self.offsets[ex + 1], self.offsets[ex] + L + 1)
+            ids[row, : hi - lo] = self.tokens[lo:hi]
+            tgt[row, : hi - lo] = self.mask[lo:hi].astype(bool)
+        labels = np.where(tgt[:, 1:], ids[:, 1:], IGNORE)
+        return {"input_ids": torch.from_numpy(ids[:, :-1].copy()), "labels": torch.from_numpy(labels)}
+
+    def count_targets(self, indices) -> int:
+        return int(self.targets[np.asarray(indices, dtype=np.int64)].sum())
+
+
+class Subset:
+    """A view of some sequences (the train or the validation part)."""
+
+    def __init__(self, base, indices: np.ndarray):
+        self.base, self.indices = base, np.asarray(indices, dtype=np.int64)
+
+    def __len__(self):
+        return len(self.indices)
+
+    def get(self, positions) -> dict:
+        return self.base.get(self.indices[np.asarray(positions, dtype=np.int64)])
+
+    def count_targets(self, positions) -> int:
+        return self.base.count_targets(self.indices[np.asarray(positions, dtype=np.int64)])
+
+
+@dataclass
+class DataSplits:
+    train: Subset
+    val: Subset
+    fingerprint: str  # identity of the tokenized data + sequence length, carried in checkpoints
+    num_tokens: int
+    description: str
+
+
+def build_data(cfg, tokenizer, vocab_size: int, log: Callable[[str], None] = print) -> DataSplits:
+    d = cfg.data
+    cache_dir = d.cache_dir or default_cache_dir()
+    if d.kind == "sft":
+        sft.ensure_chat_template(tokenizer, d.chat_template)
+    key = {"source": sources.describe_source(d), "tokenizer": tokenizer_fingerprint(tokenizer),
+           "kind": d.kind, "embedded": EMBEDDED_VERSION if d.kind == "embedded" else None}
+    if d.kind == "sft":
+        store = build_or_load(cache_dir, key, "sft", vocab_size, lambda: _sft_items(d, tokenizer), log)
+        seqs = SFTSequences(store, d.seq_len, tokenizer.pad_token_id)
+        if seqs.dropped:
+            log(f"warning: {seqs.dropped} SFT examples have no response token within data.seq_len={d.seq_len} "
+                f"and are skipped")
+    else:
+        store = build_or_load(cache_dir, key, "text", vocab_size, lambda: _text_items(d, tokenizer), log)
+        seqs = PackedSequences(store, d.seq_len)
+    n = len(seqs)
+    n_val = int(round(n * d.val_fraction)) if d.val_fraction > 0 else 0
+    if d.val_fraction > 0 and n >= 2:
+        n_val = max(1, n_val)
+    if n - n_val < 1:
+        raise DataError(f"the data gives {n} sequence(s) of data.seq_len={d.seq_len} tokens "
+                        f"({store.meta['num_tokens']} tokens in all): too few to train on; "
+                        f"add data or lower data.seq_len")
+    perm = np.random.Generator(np.random.PCG64(d.split_seed)).permutation(n)
+    val_idx, train_idx = np.sort(perm[:n_val]), np.sort(perm[n_val:])
+    fingerprint = f"{store.path.rsplit('/', 1)[-1]}:L{d.seq_len}:v{d.val_fraction}:s{d.split_seed}"
+    desc = (f"{d.kind} data: {store.meta['num_documents']} documents, {store.meta['num_tokens']} tokens, "
+            f"{len(train_idx)} train / {len(val_idx)} validation sequences of {d.seq_len} tokens")
+    return DataSplits(Subset(seqs, train_idx), Subset(seqs, val_idx), fingerprint, store.meta["num_tokens"], desc)
+
+
+def _text_items(d, tokenizer):
+    eos = tokenizer.eos_token_id
+    texts = sources.iter_texts(d, lambda: embedded_documents(d.embedded_documents))
+    batch = []
+    for text in texts:
+        batch.append(text)
+        if len(batch) == 256:
+            yield from _encode_batch(tokenizer, batch, eos)
+            batch = []
+    if batch:
+        yield from _encode_batch(tokenizer, batch, eos)
+
+
+def _encode_batch(tokenizer, texts, eos):
+    for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+        yield np.asarray(ids + [eos], dtype=np.int64), None
+
+
+def _sft_items(d, tokenizer):
+    for _, messages in sources.iter_sft_records(d):
+        yield sft.encode_conversation(tokenizer, messages)

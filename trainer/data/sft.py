@@ -1,0 +1,61 @@
+"""Instruction data: render a conversation with the tokenizer's chat template and mark which tokens carry loss.
+
+Only assistant turns are trained on. The character span of each assistant turn is found by rendering the
+conversation up to that turn with the generation prompt (the prompt) and up to its end (prompt + response);
+tokens whose characters start inside a response span are targets. Tokenizers without a chat template get
+DEFAULT_CHAT_TEMPLATE below (documented in the README).
+"""
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import numpy as np
+
+from trainer.errors import DataError
+
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}<|assistant|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "{% else %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def ensure_chat_template(tokenizer, override=None) -> str:
+    if override:
+        tokenizer.chat_template = override
+    elif not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
+    return tokenizer.chat_template
+
+
+def _render(tokenizer, messages, add_generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def response_spans(tokenizer, messages) -> Tuple[str, List[Tuple[int, int]]]:
+    full = _render(tokenizer, messages, add_generation_prompt=False)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        prompt = _render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
+        upto = _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        if not full.startswith(upto) or not upto.startswith(prompt):
+            raise DataError("the chat template does not render conversations prefix by prefix, so prompt "
+                            "tokens cannot be masked; set data.chat_template to a template that does")
+        spans.append((len(prompt), len(upto)))
+    return full, spans
+
+
+def encode_conversation(tokenizer, messages) -> Tuple[np.ndarray, np.ndarray]:
+    """Token ids of the rendered conversation and a 0/1 mask: 1 where the token is part of a response."""
+    text, spans = response_spans(tokenizer, messages)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = np.asarray(enc["input_ids"], dtype=np.int64)
+    starts = np.asarray([s for s, _ in enc["offset_mapping"]], dtype=np.int64)
+    mask = np.zeros(len(ids), dtype=np.uint8)
+    for lo, hi in spans:
+        mask[(starts >= lo) & (starts < hi)] = 1
+    return ids, mask

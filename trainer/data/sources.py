@@ -1,0 +1,181 @@
+"""Where records come from: the embedded corpus, local text / JSONL / parquet files (through `datasets`), or
+a hub dataset by name. Every failure becomes a DataError naming the file or field."""
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+from typing import Iterator, List, Tuple
+
+from trainer.errors import DataError
+
+TEXT_EXTS = (".txt", ".text", ".md")
+JSON_EXTS = (".json", ".jsonl")
+PARQUET_EXTS = (".parquet",)
+SUPPORTED = TEXT_EXTS + JSON_EXTS + PARQUET_EXTS
+
+
+def resolve_files(path_spec: str) -> List[str]:
+    """A file, a folder (searched recursively) or a glob; several separated by commas."""
+    files: List[str] = []
+    for part in [p.strip() for p in path_spec.split(",") if p.strip()]:
+        part = os.path.expanduser(part)
+        if os.path.isdir(part):
+            found = sorted(f for f in glob.glob(os.path.join(part, "**", "*"), recursive=True)
+                           if os.path.isfile(f) and f.endswith(SUPPORTED))
+            if not found:
+                raise DataError(f"data.path={part!r}: the folder holds no {', '.join(SUPPORTED)} files")
+            files += found
+        elif any(ch in part for ch in "*?["):
+            found = sorted(f for f in glob.glob(part, recursive=True) if os.path.isfile(f))
+            if not found:
+                raise DataError(f"data.path={part!r}: the pattern matches no files")
+            files += found
+        elif os.path.isfile(part):
+            files.append(part)
+        else:
+            raise DataError(f"data.path={part!r}: no such file or folder")
+    for f in files:
+        if not f.endswith(SUPPORTED):
+            raise DataError(f"data.path: {f!r} has an unsupported extension (supported: {', '.join(SUPPORTED)})")
+        if not os.access(f, os.R_OK):
+            raise DataError(f"data.path: {f!r} is not readable")
+        if os.path.getsize(f) == 0:
+            raise DataError(f"data.path: {f!r} is empty")
+    kinds = {_file_kind(f) for f in files}
+    if len(kinds) > 1:
+        raise DataError(f"data.path mixes file types ({', '.join(sorted(kinds))}); use one type per run")
+    return files
+
+
+def _file_kind(f: str) -> str:
+    if f.endswith(TEXT_EXTS):
+        return "text"
+    if f.endswith(JSON_EXTS):
+        return "json"
+    return "parquet"
+
+
+def files_fingerprint(files: List[str]) -> str:
+    h = hashlib.sha256()
+    for f in files:
+        st = os.stat(f)
+        h.update(f"{os.path.abspath(f)}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
+def _load_local(files: List[str], split_name: str = "train"):
+    import datasets
+
+    kind = _file_kind(files[0])
+    datasets.disable_progress_bars()
+    try:
+        if kind == "text":
+            # One document per file: packing splits it, and EOS marks where files meet.
+            return datasets.load_dataset("text", data_files=files, sample_by="document", split="train")
+        return datasets.load_dataset(kind, data_files=files, split="train")
+    except Exception as e:  # noqa: BLE001 - datasets raises many types; the user needs one line
+        cause = e.__cause__ or e
+        msg = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        raise DataError(f"data.path: cannot read {', '.join(files[:3])}{' ...' if len(files) > 3 else ''}: "
+                        f"{msg}") from None
+
+
+def load_hub(name: str, config_name, split: str, revision):
+    import datasets
+
+    try:
+        return datasets.load_dataset(name, config_name, split=split, revision=revision)
+    except Exception as e:  # noqa: BLE001
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DataError(f"data.name={name!r}: cannot load the hub dataset (split {split!r}): {first}") from None
+
+
+def _require_column(ds, field: str, key: str, where: str):
+    if field not in ds.column_names:
+        raise DataError(f"{where}: records have no {field!r} field (fields: {', '.join(ds.column_names)}); "
+                        f"set {key}")
+
+
+def iter_texts(data_cfg, embedded_fn=None) -> Iterator[str]:
+    """Plain-text documents for packing: embedded, text files/JSONL/parquet (`data.text_field`), or hub."""
+    if data_cfg.kind == "embedded":
+        yield from embedded_fn()
+        return
+    if data_cfg.kind == "hub":
+        ds = load_hub(data_cfg.name, data_cfg.config_name, data_cfg.split, data_cfg.revision)
+        where = f"data.name={data_cfg.name!r}"
+    else:
+        files = resolve_files(data_cfg.path)
+        ds = _load_local(files)
+        where = f"data.path={data_cfg.path!r}"
+    field = "text" if "text" in ds.column_names and data_cfg.text_field == "text" else data_cfg.text_field
+    _require_column(ds, field, "data.text_field", where)
+    limit = data_cfg.max_records
+    for i, rec in enumerate(ds):
+        if limit is not None and i >= limit:
+            return
+        value = rec[field]
+        if value is None:
+            raise DataError(f"{where}: record {i} has no value in field {field!r}")
+        if not isinstance(value, str):
+            raise DataError(f"{where}: record {i} field {field!r} is {type(value).__name__}, not text")
+        if value:
+            yield value
+
+
+def iter_sft_records(data_cfg) -> Iterator[Tuple[int, list]]:
+    """Chat `messages` for each record: alpaca-style {instruction, input?, output} becomes one user turn and
+    one assistant turn; chat records carry `messages` [{role, content}]."""
+    files = resolve_files(data_cfg.path)
+    if _file_kind(files[0]) == "text":
+        raise DataError(f"data.path={data_cfg.path!r}: SFT data must be JSON, JSONL or parquet records")
+    ds = _load_local(files)
+    cols = set(ds.column_names)
+    where = f"data.path={data_cfg.path!r}"
+    if "messages" in cols:
+        fmt = "chat"
+    elif {"instruction", "output"} <= cols:
+        fmt = "alpaca"
+    else:
+        raise DataError(f"{where}: SFT records need 'instruction' and 'output' (alpaca-style) or 'messages' "
+                        f"(chat); found fields: {', '.join(sorted(cols))}")
+    limit = data_cfg.max_records
+    for i, rec in enumerate(ds):
+        if limit is not None and i >= limit:
+            return
+        if fmt == "alpaca":
+            instr, out = rec.get("instruction"), rec.get("output")
+            if not isinstance(instr, str) or not isinstance(out, str) or not out:
+                raise DataError(f"{where}: record {i} needs text in 'instruction' and a non-empty 'output'")
+            extra = rec.get("input") or ""
+            user = instr if not extra else f"{instr}\n\n{extra}"
+            messages = [{"role": "user", "content": user}, {"role": "assistant", "content": out}]
+            if rec.get("system"):
+                messages.insert(0, {"role": "system", "content": rec["system"]})
+        else:
+            messages = rec.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise DataError(f"{where}: record {i} has no 'messages' list")
+            for j, m in enumerate(messages):
+                if not isinstance(m, dict) or not isinstance(m.get("role"), str) or \
+                        not isinstance(m.get("content"), str):
+                    raise DataError(f"{where}: record {i} message {j} needs 'role' and 'content' text")
+            if not any(m["role"] == "assistant" for m in messages):
+                raise DataError(f"{where}: record {i} has no assistant message to learn from")
+            messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+        yield i, messages
+
+
+def describe_source(data_cfg) -> str:
+    """A stable identity of the raw data, for the tokenization cache key."""
+    if data_cfg.kind == "embedded":
+        return json.dumps({"embedded": data_cfg.embedded_documents})
+    if data_cfg.kind == "hub":
+        return json.dumps({"hub": data_cfg.name, "config": data_cfg.config_name, "split": data_cfg.split,
+                           "revision": data_cfg.revision, "field": data_cfg.text_field,
+                           "max_records": data_cfg.max_records})
+    files = resolve_files(data_cfg.path)
+    return json.dumps({"files": files_fingerprint(files), "field": data_cfg.text_field,
+                       "max_records": data_cfg.max_records})

@@ -1,0 +1,131 @@
+"""Tokenization done once per (data, tokenizer, format) and cached on disk.
+
+Ranks never wait for each other in a collective here: each takes an exclusive file lock on the cache entry;
+the first builds it into a temporary folder and renames it into place (atomic), the others wait on the lock
+and then read the finished entry. So the first rank can tokenize for as long as it needs without any
+collective timing out, and an interrupted build never leaves a half-written entry behind.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterable, Iterator, Tuple
+
+import numpy as np
+
+from trainer.errors import DataError
+
+FORMAT_VERSION = 1
+
+
+def default_cache_dir() -> str:
+    return os.environ.get("TESSERA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "tessera")
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    h = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        h.update(backend.to_str().encode())
+    else:
+        h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    h.update(json.dumps([tokenizer.eos_token, tokenizer.bos_token, tokenizer.pad_token,
+                         getattr(tokenizer, "chat_template", None)]).encode())
+    return h.hexdigest()
+
+
+@contextmanager
+def _locked(path: str):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _token_dtype(vocab_size: int):
+    return np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
+
+
+class TokenStore:
+    """A cache entry: `tokens.bin` (all token ids), and for SFT `mask.bin` (1 = response token) and
+    `offsets.npy` (example boundaries). Opened as read-only memory maps."""
+
+    def __init__(self, path: str):
+        self.path = path
+        with open(os.path.join(path, "meta.json")) as fh:
+            self.meta = json.load(fh)
+        dtype = np.dtype(self.meta["dtype"])
+        n = self.meta["num_tokens"]
+        self.tokens = np.memmap(os.path.join(path, "tokens.bin"), dtype=dtype, mode="r", shape=(n,)) \
+            if n else np.zeros(0, dtype=dtype)
+        self.mask = None
+        self.offsets = None
+        if self.meta["kind"] == "sft":
+            self.mask = np.memmap(os.path.join(path, "mask.bin"), dtype=np.uint8, mode="r", shape=(n,))
+            self.offsets = np.load(os.path.join(path, "offsets.npy"))
+
+
+def build_or_load(cache_dir: str, key: dict, kind: str, vocab_size: int,
+                  produce: Callable[[], Iterable[Tuple[np.ndarray, np.ndarray | None]]],
+                  log: Callable[[str], None] = print) -> TokenStore:
+    """`produce` yields (token ids, mask or None) per document / example. `key` identifies the entry."""
+    key = dict(key, format=FORMAT_VERSION, kind=kind)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    final = os.path.join(cache_dir, digest)
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"data.cache_dir={cache_dir!r} cannot be created: {e.strerror}") from None
+    with _locked(final + ".lock"):
+        if os.path.exists(os.path.join(final, "meta.json")):
+            return TokenStore(final)
+        tmp = f"{final}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        try:
+            t0 = time.time()
+            meta = _write_entry(tmp, kind, vocab_size, produce())
+            meta["key"], meta["kind"] = key, kind
+            with open(os.path.join(tmp, "meta.json"), "w") as fh:
+                json.dump(meta, fh)
+            os.rename(tmp, final)
+            log(f"tokenized {meta['num_documents']} documents into {meta['num_tokens']} tokens in "
+                f"{time.time() - t0:.1f}s (cached at {final})")
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return TokenStore(final)
+
+
+def _write_entry(folder: str, kind: str, vocab_size: int,
+                 items: Iterator[Tuple[np.ndarray, np.ndarray | None]]) -> dict:
+    dtype = _token_dtype(vocab_size)
+    n_tokens, n_docs = 0, 0
+    offsets = [0]
+    with open(os.path.join(folder, "tokens.bin"), "wb") as ftok, \
+            open(os.path.join(folder, "mask.bin"), "wb") as fmask:
+        for ids, mask in items:
+            ids = np.asarray(ids)
+            if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+                raise DataError(f"token id {int(ids.max())} is outside the model's vocabulary ({vocab_size})")
+            ftok.write(ids.astype(dtype).tobytes())
+            if kind == "sft":
+                fmask.write(np.asarray(mask, dtype=np.uint8).tobytes())
+            n_tokens += ids.size
+            n_docs += 1
+            offsets.append(n_tokens)
+    if kind == "sft":
+        np.save(os.path.join(folder, "offsets.npy"), np.asarray(offsets, dtype=np.int64))
+    else:
+        os.remove(os.path.join(folder, "mask.bin"))
+    if n_docs == 0 or n_tokens == 0:
+        raise DataError("the data source produced no tokens (no non-empty documents or records)")
+    return {"dtype": np.dtype(dtype).name, "num_tokens": n_tokens, "num_documents": n_docs}

@@ -1,0 +1,91 @@
+"""The strategy-agnostic training and evaluation loop.
+
+Per optimizer step: the global batch comes from the sampler, its target-token count is read from the data
+(every rank can, so no collective is needed for it), this rank's slice is cut into micro-batches, and the
+strategy runs forward/backward and the optimizer step. The loop never asks which strategy it runs.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import numpy as np
+import torch
+
+from trainer.data.sampler import rank_slice
+from trainer.metrics import Throughput, device_peak_tflops, flops_per_token, peak_memory_gib
+
+
+def fit(run) -> None:
+    cfg, strategy = run.cfg, run.strategy
+    t = cfg.train
+    throughput = Throughput()
+    info = run.model_info
+    embed_params = info.vocab_size * info.hidden_size
+    flops_tok = flops_per_token(run.num_params - embed_params, info.num_layers, info.hidden_size, cfg.data.seq_len)
+    peak = device_peak_tflops(run.device, cfg.logging.peak_tflops)
+    strategy.model.train()
+    while run.step < t.max_steps:
+        k = run.step
+        global_batch = run.sampler.global_batch(k)
+        n_target = run.data.train.count_targets(global_batch)
+        positions = run.sampler.micro_batches(k, strategy.dp_rank, strategy.dp_size, t.micro_batch_size)
+        micro_batches = [run.data.train.get(pos) for pos in positions]
+        lr = run.scheduler.get_last_lr()[0]
+        loss_sum = strategy.forward_backward(micro_batches, n_target)
+        grad_norm, skipped = strategy.optimizer_step(t.grad_clip)
+        run.scheduler.step()
+        run.step += 1
+        run.tokens_seen += n_target
+        run.skipped_steps += int(skipped)
+        throughput.add(n_target, len(global_batch) * cfg.data.seq_len)
+
+        periodic_eval = cfg.eval.every > 0 and run.step % cfg.eval.every == 0
+        do_eval = periodic_eval or (run.step == t.max_steps and cfg.eval.at_end)
+        if run.step % t.log_every == 0 or run.step == t.max_steps or do_eval:
+            loss = strategy.dp_sum(loss_sum).item() / n_target
+            tok_s, seq_tok_s = throughput.take()
+            record = {"step": run.step, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
+                      "tokens": run.tokens_seen, "tokens_per_s": tok_s, "seq_tokens_per_s": seq_tok_s,
+                      "epoch": run.sampler.epoch_of(k), "skipped_steps": run.skipped_steps,
+                      "peak_mem_gib": peak_memory_gib(run.device)}
+            if strategy.precision.loss_scale is not None:
+                record["loss_scale"] = strategy.precision.loss_scale
+            if peak:
+                record["mfu"] = seq_tok_s * flops_tok / (peak * 1e12 * run.strategy.dims.world_size)
+            if do_eval:
+                t_eval = time.perf_counter()
+                record.update(evaluate(run))
+                throughput.exclude(time.perf_counter() - t_eval)
+            if not math.isfinite(loss):
+                run.logger.info(f"warning: non-finite loss at step {run.step}")
+        else:
+            record = None
+        run.logger.advance(run.step, record)
+
+
+def evaluate(run) -> dict:
+    """Token-weighted validation loss and perplexity over the first `eval.max_sequences` of the split."""
+    cfg, strategy, val = run.cfg, run.strategy, run.data.val
+    n = len(val) if not cfg.eval.max_sequences else min(len(val), cfg.eval.max_sequences)
+    if n == 0:
+        return {}
+    # Every data-parallel rank takes a strided share; ranks may get one sequence more than others.
+    mine = np.arange(n)[strategy.dp_rank::strategy.dp_size]
+    mbs = cfg.train.micro_batch_size
+    batches = [val.get(mine[i:i + mbs]) for i in range(0, len(mine), mbs)]
+    strategy.model.eval()
+    loss_sum = strategy.eval_loss_sum(batches)
+    strategy.model.train()
+    targets = torch.tensor(float(val.count_targets(mine)) if len(mine) else 0.0, device=run.device)
+    totals = strategy.dp_sum(torch.stack([loss_sum.float(), targets]))
+    val_loss = (totals[0] / totals[1]).item()
+    return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+
+
+def export_final(run) -> None:
+    if run.cfg.export.hf_at_end:
+        out = os.path.join(run.run_dir, "hf")
+        run.strategy.export_hf(out, run.tokenizer)
+        run.logger.info(f"exported the model to {out}")

@@ -1,0 +1,42 @@
+"""Tessera entry point: compose the config, check it, build, train, close.
+
+    python trainer/main.py [overrides]                          # one process
+    torchrun --nproc_per_node 2 trainer/main.py strategy=ddp    # several processes
+    deepspeed --num_gpus 2 trainer/main.py strategy=ddp         # the deepspeed launcher works too
+    ./launch.sh [overrides]                                     # picks the launcher for you
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script
+
+from trainer.cli import register_resolvers, sanitize_argv, user_errors  # noqa: E402
+
+sys.argv = sanitize_argv(sys.argv)
+register_resolvers()
+
+import hydra  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+
+from trainer import build as B  # noqa: E402
+from trainer.config import register_configs, to_object  # noqa: E402
+from trainer.loop import export_final, fit  # noqa: E402
+
+register_configs()
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base=None)
+def main(dcfg) -> None:
+    with user_errors():
+        prepared = B.prepare(to_object(dcfg), HydraConfig.get().runtime.output_dir)
+        run = None
+        try:
+            run = B.build(prepared)
+            fit(run)
+            export_final(run)
+        finally:
+            B.close(run)
+
+
+if __name__ == "__main__":
+    main()

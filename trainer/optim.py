@@ -1,0 +1,47 @@
+"""Optimizers (AdamW, SGD) and learning-rate schedules (constant, linear, cosine; each with linear warmup)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def param_groups(named_params, weight_decay: float):
+    """Weight decay on matrices only: biases, norms' gains and 1-D parameters are not decayed."""
+    decay, no_decay = [], []
+    for _, p in named_params:
+        if not p.requires_grad:
+            continue
+        (decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(cfg, named_params) -> torch.optim.Optimizer:
+    o = cfg.optim
+    groups = param_groups(named_params, o.weight_decay)
+    if o.name == "adamw":
+        return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps)
+    if o.name == "sgd":
+        return torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov)
+    raise ValueError(f"optim.name={o.name!r}")
+
+
+def lr_factor(step: int, name: str, warmup: int, total: int, min_ratio: float) -> float:
+    """Multiplier of the peak lr for optimizer step `step` (0-based)."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if name == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if name == "linear":
+        return 1.0 - (1.0 - min_ratio) * progress
+    if name == "cosine":
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    raise ValueError(f"scheduler.name={name!r}")
+
+
+def build_scheduler(cfg, optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    s = cfg.scheduler
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, s.name, s.warmup_steps, cfg.train.max_steps, s.min_lr_ratio))

@@ -1,0 +1,178 @@
+"""ParallelDims: the one validated object that owns the parallel degrees, the world size and the device mesh.
+
+Code asks `dp_enabled`, `tp_enabled`, ... and never compares degrees itself. `-1` in one degree fills the
+ranks the others leave. Also: device selection and process-group start-up (backend follows the device).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from trainer.errors import ConfigError
+
+DEGREE_KEYS = ("dp_replicate", "dp_shard", "tp", "pp")
+
+
+@dataclass
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int
+    world_size: int
+
+    @classmethod
+    def from_config(cls, strategy_cfg, world_size: int) -> "ParallelDims":
+        problems = cls.problems(strategy_cfg, world_size)
+        if problems:
+            raise ConfigError(problems)
+        degrees = {k: getattr(strategy_cfg, k) for k in DEGREE_KEYS}
+        fill = [k for k, v in degrees.items() if v == -1]
+        if fill:
+            known = 1
+            for k, v in degrees.items():
+                if v != -1:
+                    known *= v
+            degrees[fill[0]] = world_size // known
+        return cls(world_size=world_size, **degrees)
+
+    @staticmethod
+    def problems(strategy_cfg, world_size: int) -> List[str]:
+        degrees = {k: getattr(strategy_cfg, k) for k in DEGREE_KEYS}
+        problems = []
+        for k, v in degrees.items():
+            if v == 0 or v < -1:
+                problems.append(f"strategy.{k}={v} must be a positive degree or -1 (fill the remaining ranks)")
+        fill = [k for k, v in degrees.items() if v == -1]
+        if len(fill) > 1:
+            problems.append(f"only one degree may be -1, got {', '.join('strategy.' + k for k in fill)}")
+        if problems:
+            return problems
+        known = 1
+        for v in degrees.values():
+            if v != -1:
+                known *= v
+        desc = " x ".join(f"strategy.{k}={v}" for k, v in degrees.items())
+        if fill:
+            if world_size % known:
+                problems.append(f"world size {world_size} is not divisible by the fixed degrees ({desc}); change "
+                                f"the degrees or the number of processes")
+        elif known != world_size:
+            problems.append(f"the parallel degrees multiply to {known} ({desc}) but the world size is {world_size}; "
+                            f"change the degrees or the number of processes")
+        return problems
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp_size > 1
+
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def dp_shard_enabled(self) -> bool:
+        return self.dp_shard > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    def mesh_shape(self):
+        """(names, sizes) of the mesh, outermost first: pp, dp_replicate, dp_shard, tp."""
+        names = ("pp", "dp_replicate", "dp_shard", "tp")
+        sizes = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+        return names, sizes
+
+    def build_mesh(self, device_type: str):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        names, sizes = self.mesh_shape()
+        return init_device_mesh(device_type, sizes, mesh_dim_names=names)
+
+    def dp_coordinates(self, rank: int):
+        """(dp_rank, dp_size) of a global rank under the mesh layout above."""
+        tp_idx_stride = self.tp
+        dp_rank = (rank // tp_idx_stride) % self.dp_size
+        return dp_rank, self.dp_size
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Environment: rank, device, process group.
+
+def env_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def env_rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def env_local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def select_device(spec: str) -> torch.device:
+    """auto: the local rank's CUDA device when CUDA is available, else CPU."""
+    if spec == "auto":
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
+    if spec == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(["train.device=cuda but no CUDA device is available; use train.device=auto or cpu"])
+        spec = f"cuda:{env_local_rank() % torch.cuda.device_count()}"
+    device = torch.device(spec)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_process_group(device: torch.device, timeout_s: float) -> None:
+    """Start the default process group: nccl on CUDA, gloo on CPU. A single process started with plain
+    `python` gets a one-rank group on a free local port."""
+    if dist.is_initialized():
+        return
+    if "MASTER_ADDR" not in os.environ:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("LOCAL_RANK", "0")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {}
+    if device.type == "cuda":
+        kwargs["device_id"] = device
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+
+
+def destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_rank0() -> bool:
+    return (dist.get_rank() if dist.is_initialized() else env_rank()) == 0
+
+
+def barrier(device: Optional[torch.device] = None) -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()

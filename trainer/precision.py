@@ -1,0 +1,53 @@
+"""Precision policies: fp32, bf16 (autocast, fp32 master weights) and fp16 (autocast + dynamic loss scaling)."""
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Precision:
+    def __init__(self, cfg, device: torch.device):
+        p = cfg.precision
+        self.name = p.name
+        self.device_type = device.type
+        self.autocast_dtype = DTYPES[p.name]
+        self.scaler = None
+        if p.name == "fp16":
+            self.scaler = torch.amp.GradScaler(device.type, init_scale=p.init_scale, growth_factor=p.growth_factor,
+                                               backoff_factor=p.backoff_factor, growth_interval=p.growth_interval)
+
+    def autocast(self):
+        if self.autocast_dtype is None:
+            return nullcontext()
+        return torch.autocast(device_type=self.device_type, dtype=self.autocast_dtype)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale(loss) if self.scaler is not None else loss
+
+    def unscale_(self, optimizer) -> None:
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer) -> bool:
+        """Step the optimizer unless fp16 gradients overflowed; returns True if the step was skipped."""
+        if self.scaler is None:
+            optimizer.step()
+            return False
+        before = self.scaler.get_scale()
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        return self.scaler.get_scale() < before
+
+    @property
+    def loss_scale(self):
+        return self.scaler.get_scale() if self.scaler is not None else None
+
+    def state_dict(self) -> dict:
+        return {"scaler": self.scaler.state_dict()} if self.scaler is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])

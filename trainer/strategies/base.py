@@ -1,0 +1,144 @@
+"""The strategy interface. A strategy turns a model into a parallel model and owns backward, the optimizer
+step, gradient-norm computation and state/export specifics. The training loop talks only to this interface.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from contextlib import nullcontext
+from typing import ClassVar, FrozenSet, List
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from trainer.data.datasets import IGNORE
+
+
+def token_loss_sum(model, batch: dict, precision) -> torch.Tensor:
+    """Sum of next-token cross-entropies over the micro-batch's target tokens (fp32)."""
+    with precision.autocast():
+        logits = model(input_ids=batch["input_ids"], use_cache=False).logits
+    return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE,
+                           reduction="sum")
+
+
+class Strategy:
+    name: ClassVar[str] = "base"
+    # How launch.sh starts it: "python" (one process), "torchrun" or "deepspeed".
+    launcher: ClassVar[str] = "torchrun"
+    # Degrees (strategy.<key>) this strategy can use beyond 1.
+    degrees: ClassVar[FrozenSet[str]] = frozenset()
+    needs_process_group: ClassVar[bool] = True
+
+    def __init__(self, cfg, dims, device: torch.device, precision):
+        self.cfg, self.dims, self.device, self.precision = cfg, dims, device, precision
+        self.model = None
+        self.optimizer = None
+
+    # ---- checks before any process group starts -------------------------------------------------------
+    @classmethod
+    def config_problems(cls, cfg, world_size: int) -> List[str]:
+        problems = []
+        for key in ("dp_replicate", "dp_shard", "tp", "pp"):
+            value = getattr(cfg.strategy, key)
+            if value not in (1, -1) and key not in cls.degrees:
+                problems.append(f"strategy={cls.name} does not use strategy.{key} (got {value}); set it to 1 "
+                                f"or pick a strategy that does")
+        return problems
+
+    # ---- data-parallel coordinates --------------------------------------------------------------------
+    @property
+    def dp_rank(self) -> int:
+        return self.dims.dp_coordinates(dist.get_rank() if dist.is_initialized() else 0)[0]
+
+    @property
+    def dp_size(self) -> int:
+        return self.dims.dp_size
+
+    # ---- setup ----------------------------------------------------------------------------------------
+    def setup(self, model, build_optimizer):
+        """Parallelize `model`, create its optimizer with `build_optimizer(named_parameters)`."""
+        raise NotImplementedError
+
+    def unwrapped(self):
+        """The plain Hugging Face model (its parameters may be sharded in other strategies)."""
+        return self.model
+
+    # ---- one optimizer step ---------------------------------------------------------------------------
+    def accumulation_context(self, is_last_micro_batch: bool):
+        """Context for one micro-batch's forward+backward; data-parallel strategies skip gradient
+        synchronization on all but the last micro-batch."""
+        return nullcontext()
+
+    def forward_backward(self, micro_batches: List[dict], num_target_tokens: int) -> torch.Tensor:
+        """Forward and backward over this rank's micro-batches. The loss of the step is the sum of token
+        cross-entropies over the global batch divided by its target-token count, so each micro-batch's sum is
+        divided by the global count (never a mean of per-micro-batch means). Returns the local CE sum."""
+        total = torch.zeros((), device=self.device)
+        for i, batch in enumerate(micro_batches):
+            batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+            with self.accumulation_context(i == len(micro_batches) - 1):
+                ce_sum = token_loss_sum(self.model, batch, self.precision)
+                self.backward(ce_sum / num_target_tokens)
+            total += ce_sum.detach()
+        return total
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.precision.scale(loss).backward()
+
+    def grad_norm_and_clip(self, max_norm: float) -> torch.Tensor:
+        """Global L2 norm of the gradient (before clipping), clipping to `max_norm` when it is > 0."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        if max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(list(self.model.parameters()), max_norm, norm)
+        return norm
+
+    def optimizer_step(self, max_norm: float):
+        """Unscale, measure and clip the gradient, step (unless fp16 overflowed), zero. -> (norm, skipped)."""
+        self.precision.unscale_(self.optimizer)
+        norm = self.grad_norm_and_clip(max_norm)
+        skipped = self.precision.step(self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm, skipped
+
+    @torch.no_grad()
+    def eval_loss_sum(self, micro_batches: List[dict]) -> torch.Tensor:
+        total = torch.zeros((), device=self.device)
+        for batch in micro_batches:
+            batch = {k: v.to(self.device) for k, v in batch.items()}
+            total += token_loss_sum(self.model, batch, self.precision)
+        return total
+
+    # ---- collectives over the data-parallel ranks ------------------------------------------------------
+    def dp_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        if dist.is_initialized() and self.dp_size > 1:
+            tensor = tensor.clone()
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.dp_group())
+        return tensor
+
+    def dp_group(self):
+        return None  # the default group; strategies with model parallelism return their dp sub-group
+
+    # ---- export -----------------------------------------------------------------------------------------
+    def export_hf(self, out_dir: str, tokenizer) -> None:
+        """Write the model as Hugging Face safetensors + config + tokenizer into `out_dir`, atomically
+        (a temporary folder renamed into place). Rank 0 writes; every rank must call."""
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            write_hf_folder(self.unwrapped(), tokenizer, out_dir)
+        if dist.is_initialized():
+            dist.barrier()
+
+
+def write_hf_folder(model, tokenizer, out_dir: str, state_dict=None) -> None:
+    out_dir = os.path.abspath(out_dir)
+    tmp, old = out_dir + ".tmp", out_dir + ".old"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
+    tokenizer.save_pretrained(tmp)
+    if os.path.exists(out_dir):
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(out_dir, old)
+    os.rename(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
