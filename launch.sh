@@ -66,9 +66,9 @@ case "$launcher" in
     ;;
   torchrun)
     if [ "$NNODES" = 1 ] && [ -z "${MASTER_PORT:-}" ]; then
-      exec torchrun --standalone --nproc_per_node "$NPROC_PER_NODE" trainer/main.py "$@"
+      exec "$PY" -m trainer.torchrun --standalone --nproc_per_node "$NPROC_PER_NODE" trainer/main.py "$@"
     fi
-    exec torchrun --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$NPROC_PER_NODE" \
+    exec "$PY" -m trainer.torchrun --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$NPROC_PER_NODE" \
       --master_addr "${MASTER_ADDR:-127.0.0.1}" --master_port "${MASTER_PORT:-29500}" trainer/main.py "$@"
     ;;
   deepspeed)

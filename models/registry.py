@@ -143,7 +143,13 @@ def _has_tokenizer(path) -> bool:
 
 def describe(m, tokenizer) -> ModelInfo:
     """Read (pretrained) or make (preset) the model's config; no weights are touched."""
-    hf_config = get_spec(m.kind).make_config(m, tokenizer)
+    try:
+        hf_config = get_spec(m.kind).make_config(m, tokenizer)
+    except ModelError:
+        raise
+    except Exception as e:  # noqa: BLE001 - transformers' config validation: report it as a model problem
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelError(f"model: the {m.kind} config from model.* is invalid: {first}") from None
     if m.attn_implementation:
         hf_config._attn_implementation = m.attn_implementation
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config

@@ -7,6 +7,7 @@ process group, builds the model from the seed, and lets the strategy parallelize
 """
 from __future__ import annotations
 
+import gc
 import os
 import random
 from dataclasses import dataclass, field
@@ -62,12 +63,13 @@ def check(cfg: C.TesseraConfig, world_size: int):
         dims = parallel.ParallelDims.from_config(cfg.strategy, world_size)
         problems += C.batch_problems(cfg, dims.dp_size)
     tokenizer = info = None
-    try:
-        tokenizer = registry.load_tokenizer(cfg.model)
-        info = registry.describe(cfg.model, tokenizer)
-        problems += registry.model_problems(cfg, info, tokenizer)
-    except ModelError as e:
-        problems.append(str(e))
+    if not any(p.startswith("model.") for p in problems):  # the model can only be described when sane
+        try:
+            tokenizer = registry.load_tokenizer(cfg.model)
+            info = registry.describe(cfg.model, tokenizer)
+            problems += registry.model_problems(cfg, info, tokenizer)
+        except ModelError as e:
+            problems.append(str(e))
     if problems:
         raise ConfigError(dict.fromkeys(problems))  # de-duplicated, order kept
     return dims, cls, tokenizer, info
@@ -159,7 +161,13 @@ def _check_run_dir_agreement(run_dir: str) -> None:
                            f"hydra.run.dir=<one path> on every node")
 
 
-def close(run: Optional[Run]) -> None:
+def close(run: Optional[Run], graceful: bool = True) -> None:
+    """Release the run; after a failure skip the barrier (a peer may be gone) and only tear down."""
     if run is not None:
         run.logger.close()
+        run.strategy.close()
+        run.scheduler = None
+    gc.collect()
+    if graceful:
+        parallel.barrier()
     parallel.destroy_process_group()

@@ -123,6 +123,7 @@ class EvalConfig:
     every: int = 50  # 0 disables periodic eval
     max_sequences: int = 256  # validation sequences evaluated each time (0 = all)
     at_end: bool = True
+    at_start: bool = False  # evaluate the initial model too (logged as step 0 in eval.jsonl)
 
 
 @dataclass

@@ -25,6 +25,8 @@ def fit(run) -> None:
     embed_params = info.vocab_size * info.hidden_size
     flops_tok = flops_per_token(run.num_params - embed_params, info.num_layers, info.hidden_size, cfg.data.seq_len)
     peak = device_peak_tflops(run.device, cfg.logging.peak_tflops)
+    if cfg.eval.at_start and run.step == 0:
+        run.logger.eval_record(0, evaluate(run))
     strategy.model.train()
     while run.step < t.max_steps:
         k = run.step
@@ -56,7 +58,9 @@ def fit(run) -> None:
                 record["mfu"] = seq_tok_s * flops_tok / (peak * 1e12 * run.strategy.dims.world_size)
             if do_eval:
                 t_eval = time.perf_counter()
-                record.update(evaluate(run))
+                results = evaluate(run)
+                record.update(results)
+                run.logger.eval_record(run.step, results)
                 throughput.exclude(time.perf_counter() - t_eval)
             if not math.isfinite(loss):
                 run.logger.info(f"warning: non-finite loss at step {run.step}")

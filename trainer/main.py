@@ -29,13 +29,14 @@ register_configs()
 def main(dcfg) -> None:
     with user_errors():
         prepared = B.prepare(to_object(dcfg), HydraConfig.get().runtime.output_dir)
-        run = None
+        run, finished = None, False
         try:
             run = B.build(prepared)
             fit(run)
             export_final(run)
+            finished = True
         finally:
-            B.close(run)
+            B.close(run, graceful=finished)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ class MetricsLogger:
         if not enabled:
             return
         self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
+        self.eval_jsonl = open(os.path.join(run_dir, "eval.jsonl"), "a", buffering=1)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -103,6 +104,14 @@ class MetricsLogger:
             eta = elapsed / done * (self.max_steps - step)
             self.info(f"{format_record(record)} | {step}/{self.max_steps} ETA {_hms(eta)}")
 
+    def eval_record(self, step: int, results: dict) -> None:
+        """Every evaluation, also the one before training (step 0), in eval.jsonl."""
+        if not self.enabled or not results:
+            return
+        self.eval_jsonl.write(json.dumps({"step": step, **results}) + "\n")
+        if step == 0:
+            self.info(f"step 0 | val_loss {results['val_loss']:.4f} (ppl {results['val_ppl']:.2f})")
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
@@ -110,6 +119,7 @@ class MetricsLogger:
             self.tb.close()
         if self.jsonl is not None:
             self.jsonl.close()
+            self.eval_jsonl.close()
 
 
 def format_record(r: dict) -> str:

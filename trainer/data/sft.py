@@ -34,18 +34,34 @@ def _render(tokenizer, messages, add_generation_prompt: bool) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
+def _render_prompt(tokenizer, messages) -> str:
+    """What precedes a response: the conversation so far plus the template's generation prompt. Chat
+    templates refuse an empty conversation, so for an opening assistant turn the prompt is what the template
+    renders before a placeholder response."""
+    if messages:
+        return _render(tokenizer, messages, add_generation_prompt=True)
+    marker = "\x00tessera-response\x00"
+    rendered = _render(tokenizer, [{"role": "assistant", "content": marker}], add_generation_prompt=False)
+    return rendered[: rendered.index(marker)] if marker in rendered else ""
+
+
 def response_spans(tokenizer, messages) -> Tuple[str, List[Tuple[int, int]]]:
     full = _render(tokenizer, messages, add_generation_prompt=False)
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        prompt = _render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
+        prompt = _render_prompt(tokenizer, messages[:i])
         upto = _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
         if not full.startswith(upto) or not upto.startswith(prompt):
             raise DataError("the chat template does not render conversations prefix by prefix, so prompt "
                             "tokens cannot be masked; set data.chat_template to a template that does")
-        spans.append((len(prompt), len(upto)))
+        end = len(upto)
+        # The response ends with its EOS: template text after it (a newline, say) is not trained on.
+        eos = tokenizer.eos_token
+        if eos and eos in upto[len(prompt):]:
+            end = upto.rindex(eos, len(prompt)) + len(eos)
+        spans.append((len(prompt), end))
     return full, spans
 
 

@@ -70,6 +70,7 @@ def _load_local(files: List[str], split_name: str = "train"):
 
     kind = _file_kind(files[0])
     datasets.disable_progress_bars()
+    datasets.utils.logging.set_verbosity_error()  # failures become one DataError below
     try:
         if kind == "text":
             # One document per file: packing splits it, and EOS marks where files meet.

@@ -121,6 +121,12 @@ class Strategy:
     def dp_group(self):
         return None  # the default group; strategies with model parallelism return their dp sub-group
 
+    def close(self) -> None:
+        """Release the parallel model before the process group goes (wrappers that hold communication
+        state, like DDP's reducer, can block in their destructor once the group is destroyed)."""
+        self.model = None
+        self.optimizer = None
+
     # ---- export -----------------------------------------------------------------------------------------
     def export_hf(self, out_dir: str, tokenizer) -> None:
         """Write the model as Hugging Face safetensors + config + tokenizer into `out_dir`, atomically

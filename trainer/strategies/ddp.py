@@ -37,3 +37,7 @@ class DDPStrategy(Strategy):
 
     def unwrapped(self):
         return self.ddp.module
+
+    def close(self) -> None:
+        super().close()
+        self.ddp = None

@@ -1,0 +1,57 @@
+"""Helpers for integration tests: run the real entry point through a real launcher and read its outputs."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+VENV_BIN = Path(sys.executable).parent
+
+# A debug-size model and corpus: every launch costs seconds of start-up, the steps themselves little.
+SMALL = ["model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
+         "model.intermediate_size=128", "data.embedded_documents=400", "data.seq_len=32", "scheduler.warmup_steps=1",
+         "logging.progress=false"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(launcher: str, overrides, run_dir, nproc: int = 1, timeout: float = 300, env=None):
+    """Start trainer/main.py with `python`, `torchrun` or `deepspeed`; returns the CompletedProcess."""
+    main = str(REPO / "trainer" / "main.py")
+    args = list(overrides) + [f"hydra.run.dir={run_dir}"]
+    if launcher == "python":
+        cmd = [sys.executable, main]
+    elif launcher == "torchrun":
+        cmd = [str(VENV_BIN / "torchrun"), f"--nproc_per_node={nproc}", f"--master_port={free_port()}", main]
+    elif launcher == "deepspeed":
+        cmd = [str(VENV_BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()), main]
+    else:
+        raise ValueError(launcher)
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    full_env.update(env or {})
+    return subprocess.run(cmd + args, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def ok(proc) -> None:
+    assert proc.returncode == 0, f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-4000:]}"
+
+
+def read_jsonl(path) -> list:
+    with open(path) as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def metrics(run_dir) -> list:
+    return read_jsonl(Path(run_dir) / "metrics.jsonl")
+
+
+def rel_err(a, b) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)

@@ -1,0 +1,289 @@
+"""The Hydra config tree, the typed schema, whole-config checks (every problem at once) and ParallelDims."""
+from __future__ import annotations
+
+from dataclasses import fields
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from trainer import config as C
+from trainer.build import check
+from trainer.errors import ConfigError
+from trainer.parallel import ParallelDims
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+
+GROUPS = {
+    "model": ["tiny", "llama_10m", "llama_100m", "gpt2_10m", "gpt2_100m", "hf"],
+    "data": ["default", "text", "hub", "sft"],
+    "strategy": ["single", "ddp"],
+    "optim": ["adamw", "sgd"],
+    "scheduler": ["constant", "linear", "cosine"],
+    "precision": ["fp32", "bf16", "fp16"],
+    "experiment": ["stories_shakespeare", "alpaca_sft"],
+}
+
+
+def test_group_options_match_conf_folder():
+    """Every option on disk is covered below, and nothing listed here is missing from conf/."""
+    for group, options in GROUPS.items():
+        on_disk = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+        assert on_disk == sorted(options), group
+
+
+def test_default_composes_to_typed_config(compose):
+    cfg = compose()
+    assert isinstance(cfg, C.TesseraConfig)
+    # model: tiny preset
+    m = cfg.model
+    assert (m.kind, m.tokenizer, m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.intermediate_size,
+            m.max_position_embeddings) == ("llama", "embedded", 256, 4, 8, 4, 704, 1024)
+    assert m.name_or_path is None
+    # data: embedded
+    assert (cfg.data.kind, cfg.data.seq_len, cfg.data.path) == ("embedded", 128, None)
+    # strategy: ddp filling the world with replicas
+    s = cfg.strategy
+    assert (s.name, s.dp_replicate, s.dp_shard, s.tp, s.pp) == ("ddp", -1, 1, 1, 1)
+    assert (cfg.optim.name, cfg.optim.lr, list(cfg.optim.betas)) == ("adamw", 1e-3, [0.9, 0.95])
+    assert (cfg.scheduler.name, cfg.scheduler.warmup_steps, cfg.scheduler.min_lr_ratio) == ("cosine", 10, 0.1)
+    assert cfg.precision.name == "fp32"
+    assert (cfg.train.max_steps, cfg.train.global_batch_size, cfg.train.micro_batch_size) == (200, 16, 8)
+    # the default is valid as it stands, for one process and for two
+    assert C.validate(cfg, 1) == []
+    assert C.validate(cfg, 2) == []
+
+
+def test_raw_compose_has_exactly_the_schema_sections(compose):
+    raw = compose(typed=False)
+    assert set(raw.keys()) == {f.name for f in fields(C.TesseraConfig)}  # no `hydra` node, nothing extra
+    assert {"model", "data", "strategy", "optim", "scheduler", "precision", "train"} <= set(raw.keys())
+    assert OmegaConf.is_struct(raw)  # new keys cannot be added by accident
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
+def test_every_group_option_composes(compose, group, option):
+    cfg = compose([f"{group}={option}"])
+    assert isinstance(cfg, C.TesseraConfig)
+    expected = {
+        ("model", "tiny"): lambda c: c.model.kind == "llama" and c.model.hidden_size == 256,
+        ("model", "llama_10m"): lambda c: c.model.kind == "llama" and c.model.hidden_size == 384,
+        ("model", "llama_100m"): lambda c: c.model.kind == "llama" and c.model.hidden_size == 768,
+        ("model", "gpt2_10m"): lambda c: c.model.kind == "gpt2" and c.model.hidden_size == 384,
+        ("model", "gpt2_100m"): lambda c: c.model.kind == "gpt2" and c.model.hidden_size == 768,
+        ("model", "hf"): lambda c: c.model.kind == "hf" and c.model.tokenizer is None,
+        ("data", "default"): lambda c: c.data.kind == "embedded",
+        ("data", "text"): lambda c: c.data.kind == "text" and c.data.seq_len == 512,
+        ("data", "hub"): lambda c: c.data.kind == "hub",
+        ("data", "sft"): lambda c: c.data.kind == "sft",
+        ("strategy", "single"): lambda c: c.strategy.name == "single",
+        ("strategy", "ddp"): lambda c: c.strategy.name == "ddp",
+        ("optim", "adamw"): lambda c: c.optim.name == "adamw",
+        ("optim", "sgd"): lambda c: c.optim.name == "sgd" and c.optim.lr == 0.01 and c.optim.weight_decay == 0.0,
+        ("scheduler", "constant"): lambda c: c.scheduler.name == "constant",
+        ("scheduler", "linear"): lambda c: c.scheduler.name == "linear",
+        ("scheduler", "cosine"): lambda c: c.scheduler.name == "cosine",
+        ("precision", "fp32"): lambda c: c.precision.name == "fp32",
+        ("precision", "bf16"): lambda c: c.precision.name == "bf16",
+        ("precision", "fp16"): lambda c: c.precision.name == "fp16",
+        ("experiment", "stories_shakespeare"): lambda c: (
+            c.model.kind == "hf" and c.model.name_or_path.endswith("stories260K-hf") and c.data.kind == "text"
+            and c.data.path.endswith("tinyshakespeare.txt") and c.data.seq_len == 256 and c.optim.lr == 5e-4),
+        ("experiment", "alpaca_sft"): lambda c: (
+            c.model.kind == "hf" and c.model.name_or_path.endswith("stories260K-hf") and c.data.kind == "sft"
+            and c.data.path.endswith("alpaca_en_demo.json") and c.train.micro_batch_size == 4),
+    }[(group, option)]
+    assert expected(cfg), cfg
+
+
+def test_group_override_replaces_preset_fields(compose):
+    """model=hf replaces the tiny preset: no preset field leaks from the default group."""
+    cfg = compose(["model=hf"])
+    assert cfg.model.num_kv_heads is None and cfg.model.intermediate_size is None
+
+
+def test_unknown_key_fails_at_compose(compose):
+    with pytest.raises(ConfigCompositionException, match="train.bogus"):
+        compose(["train.bogus=1"])
+    with pytest.raises(ConfigCompositionException, match="model.hiden_size"):
+        compose(["model.hiden_size=64"])
+
+
+def test_wrong_type_fails_at_compose(compose):
+    with pytest.raises(ConfigCompositionException, match="train.max_steps"):
+        compose(["train.max_steps=abc"])
+    with pytest.raises(ConfigCompositionException, match="optim.lr"):
+        compose(["optim.lr=fast"])
+
+
+def test_unknown_group_option_fails(compose):
+    with pytest.raises(ConfigCompositionException):
+        compose(["model=llama_7b"])
+
+
+def test_to_object_rejects_keys_outside_the_schema():
+    bad = OmegaConf.create({"train": {"max_steps": 5, "bogus": 1}})
+    with pytest.raises(Exception, match="bogus"):
+        C.to_object(bad)
+
+
+def test_overrides_reach_the_typed_config(compose):
+    cfg = compose(["train.max_steps=7", "data.seq_len=64", "optim.betas=[0.8,0.9]", "strategy=single"])
+    assert (cfg.train.max_steps, cfg.data.seq_len, list(cfg.optim.betas), cfg.strategy.name) == \
+        (7, 64, [0.8, 0.9], "single")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# trainer.build.check: every problem at once, each naming its keys.
+
+def _check_problems(cfg, world_size):
+    with pytest.raises(ConfigError) as info:
+        check(cfg, world_size)
+    err = info.value
+    assert len(err.problems) == len(set(err.problems))  # de-duplicated
+    assert str(len(err.problems)) in str(err)
+    return err.problems
+
+
+def _only_one(problems, *needles):
+    hits = [p for p in problems if all(n in p for n in needles)]
+    assert len(hits) == 1, (needles, problems)
+    return hits[0]
+
+
+def test_check_reports_every_problem_at_once(compose):
+    cfg = compose(["strategy=single", "train.global_batch_size=10", "train.micro_batch_size=4",
+                   "data.seq_len=2048"])
+    problems = _check_problems(cfg, 2)
+    assert len(problems) == 3, problems
+    batch = _only_one(problems, "train.global_batch_size=10", "train.micro_batch_size=4")
+    assert "data-parallel degree 2" in batch and "(= 8)" in batch
+    _only_one(problems, "data.seq_len=2048", "model.max_position_embeddings=1024")
+    _only_one(problems, "strategy=single", "world size is 2")
+    # each of them is in the message the user sees
+    with pytest.raises(ConfigError) as info:
+        check(cfg, 2)
+    for p in problems:
+        assert p in str(info.value)
+
+
+def test_check_reports_field_strategy_and_model_problems_together(compose):
+    cfg = compose(["optim.lr=-1", "train.max_steps=0", "strategy.tp=2", "scheduler.min_lr_ratio=2",
+                   "model=gpt2_10m", "model.num_kv_heads=2", "optim.betas=[0.9,1.5]", "data.val_fraction=1.0"])
+    problems = _check_problems(cfg, 2)
+    _only_one(problems, "optim.lr=-1")
+    _only_one(problems, "train.max_steps=0")
+    _only_one(problems, "strategy.tp", "strategy=ddp")
+    _only_one(problems, "scheduler.min_lr_ratio")
+    _only_one(problems, "model.num_kv_heads")
+    _only_one(problems, "optim.betas")
+    _only_one(problems, "data.val_fraction")
+    assert len(problems) == 7, problems
+
+
+def test_check_parallel_degree_problems(compose):
+    cfg = compose(["strategy.dp_replicate=3"])  # 3 replicas on a world of 2
+    problems = _check_problems(cfg, 2)
+    _only_one(problems, "strategy.dp_replicate=3", "world size is 2")
+
+
+def test_check_missing_paths_for_file_data(compose):
+    problems = _check_problems(compose(["data=text"]), 1)
+    _only_one(problems, "data.path must be set", "data.kind=text")
+    problems = _check_problems(compose(["data=hub"]), 1)
+    _only_one(problems, "data.name must be set")
+
+
+def test_check_passes_a_valid_config(compose):
+    dims, cls, tokenizer, info = check(compose(["train.global_batch_size=32"]), 4)
+    assert (dims.dp_replicate, dims.dp_size, dims.world_size) == (4, 4, 4)
+    assert cls.name == "ddp"
+    assert info.max_positions == 1024 and info.vocab_size == 264  # 258 embedded tokens padded to 8
+    assert len(tokenizer) == 258
+
+
+def test_grad_accumulation_steps(compose):
+    cfg = compose(["train.global_batch_size=32", "train.micro_batch_size=4"])
+    assert C.grad_accumulation_steps(cfg, 2) == 4
+    assert C.batch_problems(cfg, 2) == []
+    assert C.batch_problems(cfg, 3) != []
+
+
+def test_check_heads_not_dividing_hidden_is_a_config_problem(compose):
+    """validate() reports model.hidden_size % model.num_heads, but check() then calls registry.describe, whose
+    LlamaConfig(...) raises a non-ModelError, so the user gets a traceback and loses the other problems."""
+    cfg = compose(["model.num_heads=7", "optim.lr=-1"])
+    problems = _check_problems(cfg, 1)
+    _only_one(problems, "model.hidden_size=256", "model.num_heads=7")
+    _only_one(problems, "optim.lr=-1")
+
+
+def test_check_hf_without_name_or_path_is_a_config_problem(compose):
+    cfg = compose(["model=hf"])
+    problems = _check_problems(cfg, 1)
+    _only_one(problems, "model.name_or_path must be set")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# ParallelDims
+
+def _degrees(dp_replicate=1, dp_shard=1, tp=1, pp=1):
+    return SimpleNamespace(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp)
+
+
+@pytest.mark.parametrize("degrees,world,expected", [
+    (dict(dp_replicate=-1), 8, (8, 1, 1, 1)),
+    (dict(dp_replicate=-1, tp=2), 8, (4, 1, 2, 1)),
+    (dict(dp_replicate=2, dp_shard=-1, tp=2), 8, (2, 2, 2, 1)),
+    (dict(dp_replicate=1, tp=2, pp=-1), 8, (1, 1, 2, 4)),
+    (dict(dp_replicate=-1), 1, (1, 1, 1, 1)),
+    (dict(dp_replicate=2, dp_shard=2), 4, (2, 2, 1, 1)),
+])
+def test_parallel_dims_fill(degrees, world, expected):
+    dims = ParallelDims.from_config(_degrees(**degrees), world)
+    assert (dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp) == expected
+    assert dims.world_size == world
+    assert dims.dp_replicate * dims.dp_shard * dims.tp * dims.pp == world
+    assert dims.dp_size == expected[0] * expected[1]
+    assert dims.dp_enabled == (dims.dp_size > 1)
+    assert dims.tp_enabled == (expected[2] > 1) and dims.pp_enabled == (expected[3] > 1)
+
+
+def test_parallel_dims_product_mismatch():
+    problems = ParallelDims.problems(_degrees(dp_replicate=2, tp=2), 8)
+    assert len(problems) == 1
+    assert "multiply to 4" in problems[0] and "world size is 8" in problems[0]
+    assert "strategy.dp_replicate=2" in problems[0] and "strategy.tp=2" in problems[0]
+    with pytest.raises(ConfigError) as info:
+        ParallelDims.from_config(_degrees(dp_replicate=2, tp=2), 8)
+    assert info.value.problems == problems
+
+
+def test_parallel_dims_fill_not_divisible():
+    problems = ParallelDims.problems(_degrees(dp_replicate=-1, tp=3), 8)
+    assert len(problems) == 1 and "not divisible" in problems[0] and "strategy.tp=3" in problems[0]
+
+
+def test_parallel_dims_two_fills():
+    problems = ParallelDims.problems(_degrees(dp_replicate=-1, dp_shard=-1), 4)
+    assert len(problems) == 1
+    assert "only one degree may be -1" in problems[0]
+    assert "strategy.dp_replicate" in problems[0] and "strategy.dp_shard" in problems[0]
+    with pytest.raises(ConfigError):
+        ParallelDims.from_config(_degrees(dp_replicate=-1, dp_shard=-1), 4)
+
+
+@pytest.mark.parametrize("bad", [0, -2])
+def test_parallel_dims_invalid_degree(bad):
+    problems = ParallelDims.problems(_degrees(tp=bad), 4)
+    assert any(f"strategy.tp={bad}" in p for p in problems), problems
+
+
+def test_parallel_dims_dp_coordinates():
+    # mesh (pp, dp_replicate, dp_shard, tp), tp innermost: ranks 0,1 share dp rank 0 under tp=2
+    dims = ParallelDims.from_config(_degrees(dp_replicate=-1, tp=2), 8)
+    assert [dims.dp_coordinates(r)[0] for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    dims = ParallelDims.from_config(_degrees(dp_replicate=2, tp=2, pp=2), 8)
+    assert [dims.dp_coordinates(r)[0] for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
