@@ -131,6 +131,7 @@ def load_tokenizer(m):
                          f"(set model.tokenizer to a tokenizer that has one)")
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token  # padding positions never carry loss; any id will do
+    tok.model_max_length = 1 << 60  # documents are tokenized whole, then packed or truncated to data.seq_len
     return tok
 
 

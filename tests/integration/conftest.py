@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -31,13 +32,30 @@ def launch(launcher: str, overrides, run_dir, nproc: int = 1, timeout: float = 3
         cmd = [sys.executable, main]
     elif launcher == "torchrun":
         cmd = [str(VENV_BIN / "torchrun"), f"--nproc_per_node={nproc}", f"--master_port={free_port()}", main]
+    elif launcher == "torchrun-quiet":  # what launch.sh runs: torchrun without its traceback on failure
+        cmd = [sys.executable, "-m", "trainer.torchrun", f"--nproc_per_node={nproc}",
+               f"--master_port={free_port()}", main]
     elif launcher == "deepspeed":
         cmd = [str(VENV_BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()), main]
     else:
         raise ValueError(launcher)
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     full_env.update(env or {})
-    return subprocess.run(cmd + args, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    return run_group(cmd + args, env=full_env, timeout=timeout)
+
+
+def run_group(cmd, env=None, timeout: float = 300):
+    """subprocess.run in its own process group: on a timeout every rank the launcher started is killed too
+    (a hang then fails the test instead of leaving orphans behind)."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"timed out after {timeout}s (a hang?)\nSTDOUT:\n{out[-3000:]}\nSTDERR:\n{err[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def ok(proc) -> None:

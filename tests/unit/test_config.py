@@ -50,7 +50,7 @@ def test_default_composes_to_typed_config(compose):
     assert (cfg.optim.name, cfg.optim.lr, list(cfg.optim.betas)) == ("adamw", 1e-3, [0.9, 0.95])
     assert (cfg.scheduler.name, cfg.scheduler.warmup_steps, cfg.scheduler.min_lr_ratio) == ("cosine", 10, 0.1)
     assert cfg.precision.name == "fp32"
-    assert (cfg.train.max_steps, cfg.train.global_batch_size, cfg.train.micro_batch_size) == (200, 16, 8)
+    assert (cfg.train.max_steps, cfg.train.global_batch_size, cfg.train.micro_batch_size) == (120, 16, 8)
     # the default is valid as it stands, for one process and for two
     assert C.validate(cfg, 1) == []
     assert C.validate(cfg, 2) == []
