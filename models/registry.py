@@ -211,5 +211,14 @@ def build(m, info: ModelInfo, seed: int, device: torch.device | str = "cpu", dty
     return model.to(device)
 
 
+def tensor_shapes(info: ModelInfo) -> dict:
+    """{name: shape} of the model's state dict, from a model built on the meta device (no memory, no init)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(info.hf_config)
+    return {k: list(v.shape) for k, v in model.state_dict().items()}
+
+
 def count_parameters(model) -> int:
     return sum(p.numel() for p in model.parameters())

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from models import registry
+from trainer import checkpoint as ckpt
 from trainer import config as C
 from trainer import parallel
 from trainer.data.datasets import DataSplits, build_data
@@ -27,6 +28,7 @@ from trainer.errors import ConfigError, ModelError, TesseraError
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.precision import Precision
+from trainer.preemption import StopRequest
 from trainer.strategies import STRATEGIES, strategy_class
 
 
@@ -45,6 +47,8 @@ class Prepared:
     tokenizer: object
     model_info: registry.ModelInfo
     data: Optional[DataSplits] = None
+    resume_path: Optional[str] = None
+    model_shapes: Optional[dict] = None
 
 
 def check(cfg: C.TesseraConfig, world_size: int):
@@ -84,7 +88,32 @@ def prepare(cfg: C.TesseraConfig, run_dir: str) -> Prepared:
     prepared = Prepared(cfg, run_dir, world_size, dims, cls, tokenizer, info)
     prepared.data = build_data(cfg, tokenizer, info.vocab_size, log=log0)
     GlobalBatchSampler(len(prepared.data.train), cfg.train.global_batch_size, cfg.train.seed)  # size check
+    prepared.model_shapes = registry.tensor_shapes(info)
+    prepared.resume_path = _check_resume(cfg, run_dir, prepared)
     return prepared
+
+
+def _check_resume(cfg, run_dir: str, p: Prepared) -> Optional[str]:
+    """The checkpoint to resume from, checked against this run before any process group starts."""
+    root = os.path.join(run_dir, "checkpoints")
+    if cfg.checkpoint.resume == "auto":
+        for partial in ckpt.partial_checkpoints(root):
+            log0(f"ignoring incomplete checkpoint {partial} (its save did not finish)")
+    path = ckpt.resolve(cfg.checkpoint.resume, run_dir)
+    if path is None:
+        if cfg.checkpoint.resume == "auto":
+            log0("checkpoint.resume=auto: no complete checkpoint in the run directory; starting at step 0")
+        return None
+    meta = ckpt.read_meta(path)
+    ckpt.verify_files(path, meta)
+    problems = ckpt.compatibility_problems(meta, cfg, p.model_shapes, p.data.fingerprint,
+                                           cfg.checkpoint.load_weights_only)
+    if problems:
+        raise ckpt.CheckpointError(f"cannot resume from {path}:\n" + "\n".join(f"  - {x}" for x in problems))
+    if meta["step"] >= cfg.train.max_steps and not cfg.checkpoint.load_weights_only:
+        raise ckpt.CheckpointError(f"{path} is at step {meta['step']}, which already reaches "
+                                   f"train.max_steps={cfg.train.max_steps}; raise train.max_steps to train on")
+    return path
 
 
 def seed_everything(seed: int, rank: int) -> None:
@@ -109,10 +138,14 @@ class Run:
     device: torch.device
     grad_accum: int
     num_params: int
+    model_shapes: dict = field(default_factory=dict)
+    model_desc: str = ""
     step: int = 0
     tokens_seen: int = 0
     skipped_steps: int = 0
-    extras: dict = field(default_factory=dict)
+    checkpointer: Optional[ckpt.CheckpointManager] = None
+    stop: Optional[StopRequest] = None
+    stopped_by: str = ""
 
 
 def build(p: Prepared) -> Run:
@@ -147,8 +180,15 @@ def build(p: Prepared) -> Run:
     logger.info(f"global batch {cfg.train.global_batch_size} = micro {cfg.train.micro_batch_size} x accumulation "
                 f"{accum} x dp {p.dims.dp_size}; {cfg.train.max_steps} steps")
     sampler = GlobalBatchSampler(len(p.data.train), cfg.train.global_batch_size, cfg.train.seed)
-    return Run(cfg, p.run_dir, strategy, p.data, sampler, scheduler, p.tokenizer, p.model_info, logger, device,
-               accum, num_params)
+    desc = f"{cfg.model.kind}:{cfg.model.name_or_path or 'preset'} {num_params / 1e6:.2f}M params"
+    run = Run(cfg, p.run_dir, strategy, p.data, sampler, scheduler, p.tokenizer, p.model_info, logger, device,
+              accum, num_params, model_shapes=p.model_shapes, model_desc=desc)
+    run.checkpointer = ckpt.CheckpointManager(run)
+    if p.resume_path:
+        run.checkpointer.load(p.resume_path, weights_only=cfg.checkpoint.load_weights_only)
+        logger.start_step = run.step
+    run.stop = StopRequest()
+    return run
 
 
 def _check_run_dir_agreement(run_dir: str) -> None:
@@ -164,6 +204,10 @@ def _check_run_dir_agreement(run_dir: str) -> None:
 def close(run: Optional[Run], graceful: bool = True) -> None:
     """Release the run; after a failure skip the barrier (a peer may be gone) and only tear down."""
     if run is not None:
+        if run.stop is not None:
+            run.stop.restore()
+        if run.checkpointer is not None and graceful:
+            run.checkpointer.close()
         run.logger.close()
         run.strategy.close()
         run.scheduler = None

@@ -130,8 +130,10 @@ class EvalConfig:
 class CheckpointConfig:
     every: int = 0  # 0: no periodic checkpoints
     keep_last: int = 2
-    resume: str = "none"  # auto | none | <path>
-    async_save: bool = False
+    resume: str = "none"  # auto | none | <path of a checkpoint, a checkpoints folder or a run directory>
+    async_save: bool = False  # write in the background; the step is blocked only while tensors are copied
+    at_end: bool = True  # save when training ends (also when stopped by SIGTERM/SIGINT)
+    load_weights_only: bool = False  # resume=<path>: take the model weights only and start a new run at step 0
 
 
 @dataclass
@@ -237,6 +239,10 @@ def validate(cfg: TesseraConfig, world_size: int) -> List[str]:
         problems.append(f"train.device={t.device!r} must be auto, cpu, cuda or cuda:N")
     if cfg.checkpoint.resume not in ("none", "auto") and not os.path.exists(cfg.checkpoint.resume):
         problems.append(f"checkpoint.resume={cfg.checkpoint.resume!r}: no such path (use auto, none or a path)")
+    if cfg.checkpoint.every < 0:
+        problems.append("checkpoint.every must be >= 0 (0: no periodic checkpoints)")
+    if cfg.checkpoint.load_weights_only and cfg.checkpoint.resume == "none":
+        problems.append("checkpoint.load_weights_only=true needs checkpoint.resume=<path> (or auto)")
     return problems
 
 

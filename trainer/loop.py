@@ -68,6 +68,19 @@ def fit(run) -> None:
             record = None
         run.logger.advance(run.step, record)
 
+        run.checkpointer.poll()
+        if run.stop.agreed(run.device):
+            run.stopped_by = run.stop.name
+            run.logger.info(f"{run.stopped_by} received: stopping after step {run.step}")
+            break
+        run.checkpointer.maybe_save(run.step)
+    if cfg.checkpoint.at_end or run.stopped_by:
+        run.checkpointer.save(run.step)
+    run.checkpointer.wait()
+    if run.stopped_by:
+        run.logger.info(f"stopped by {run.stopped_by} at step {run.step}; continue with checkpoint.resume=auto "
+                        f"and the same hydra.run.dir")
+
 
 def evaluate(run) -> dict:
     """Token-weighted validation loss and perplexity over the first `eval.max_sequences` of the split."""
@@ -89,7 +102,7 @@ def evaluate(run) -> dict:
 
 
 def export_final(run) -> None:
-    if run.cfg.export.hf_at_end:
+    if run.cfg.export.hf_at_end and not run.stopped_by:
         out = os.path.join(run.run_dir, "hf")
         run.strategy.export_hf(out, run.tokenizer)
         run.logger.info(f"exported the model to {out}")

@@ -121,6 +121,31 @@ class Strategy:
     def dp_group(self):
         return None  # the default group; strategies with model parallelism return their dp sub-group
 
+    # ---- checkpoint state ---------------------------------------------------------------------------------
+    def checkpoint_state(self, model_only: bool = False) -> dict:
+        """The tensors a checkpoint holds, keyed by the unwrapped model's parameter names (DCP reshards them on
+        load, so any world size and layout can read them). Optimizer hyper-parameters go separately."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+        if model_only:
+            return {"model": get_model_state_dict(self.model)}
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": _tensors_only(optim_sd["state"])}
+
+    def optimizer_param_groups(self) -> list:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.model, self.optimizer)["param_groups"]
+
+    def load_checkpoint_state(self, state: dict, param_groups) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+        if param_groups is None:
+            set_model_state_dict(self.model, state["model"])
+            return
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict={"state": state["optim"], "param_groups": param_groups})
+
     def close(self) -> None:
         """Release the parallel model before the process group goes (wrappers that hold communication
         state, like DDP's reducer, can block in their destructor once the group is destroyed)."""
@@ -135,6 +160,13 @@ class Strategy:
             write_hf_folder(self.unwrapped(), tokenizer, out_dir)
         if dist.is_initialized():
             dist.barrier()
+
+
+def _tensors_only(tree):
+    """Optimizer state without non-tensor leaves (an SGD momentum buffer of None, say)."""
+    if isinstance(tree, dict):
+        return {k: _tensors_only(v) for k, v in tree.items() if v is not None}
+    return tree
 
 
 def write_hf_folder(model, tokenizer, out_dir: str, state_dict=None) -> None:

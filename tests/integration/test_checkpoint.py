@@ -1,0 +1,267 @@
+"""Checkpoints: exact resume, resume on another world size, atomic saves under SIGKILL, preemption by SIGTERM,
+damaged and incompatible checkpoints, a full disk, and export from a checkpoint."""
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.integration.conftest import REPO, SMALL, VENV_BIN, free_port, launch, metrics, ok, rel_err
+
+# About 11 global batches per epoch: 16 steps cross an epoch boundary. Accumulation 4 on one process.
+BASE = SMALL + ["data.embedded_documents=12", "train.global_batch_size=8", "train.micro_batch_size=2",
+                "train.log_every=1", "eval.every=0", "eval.at_end=false", "export.hf_at_end=false",
+                "train.max_steps=16", "checkpoint.keep_last=0"]
+
+
+def _curve(run_dir, key="loss"):
+    return {r["step"]: r[key] for r in metrics(run_dir)}
+
+
+def _ckpts(run_dir):
+    root = Path(run_dir) / "checkpoints"
+    return sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+
+
+def _assert_same(run_dir, reference, first_step: int, exact: bool):
+    got, ref = _curve(run_dir), _curve(reference)
+    got_norm, ref_norm = _curve(run_dir, "grad_norm"), _curve(reference, "grad_norm")
+    steps = [s for s in sorted(got) if s >= first_step]
+    assert steps == list(range(first_step, 17)), steps
+    if exact:
+        assert [got[s] for s in steps] == [ref[s] for s in steps]
+        assert [got_norm[s] for s in steps] == [ref_norm[s] for s in steps]
+    else:
+        loss_err = max(rel_err(got[s], ref[s]) for s in steps)
+        norm_err = max(rel_err(got_norm[s], ref_norm[s]) for s in steps)
+        print(f"{run_dir.name}: max relative loss error {loss_err:.2e}, grad-norm error {norm_err:.2e}")
+        assert loss_err < 1e-5 and norm_err < 1e-5, (loss_err, norm_err)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """16 uninterrupted steps on one process, no checkpoints: the reference."""
+    run_dir = tmp_path_factory.mktemp("straight")
+    ok(launch("python", BASE + ["strategy=single", "checkpoint.at_end=false"], run_dir))
+    assert max(r["epoch"] for r in metrics(run_dir)) == 1  # the run crosses an epoch boundary
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def ddp2(tmp_path_factory):
+    """16 steps with DDP on 2 ranks (accumulation 2), checkpoints at 6 and 12 (and 16, at the end)."""
+    run_dir = tmp_path_factory.mktemp("ddp2")
+    ok(launch("torchrun", BASE + ["strategy=ddp", "checkpoint.every=6"], run_dir, nproc=2))
+    return run_dir
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_single_resume_is_bit_exact(straight, tmp_path, async_save):
+    flag = f"checkpoint.async_save={str(async_save).lower()}"
+    first = tmp_path / "first"
+    ok(launch("python", BASE + ["strategy=single", "checkpoint.every=6", flag], first))
+    assert _ckpts(first) == ["latest", "step_12", "step_16", "step_6"]
+    assert (first / "checkpoints" / "latest").read_text().strip() == "step_16"
+    _assert_same(first, straight, 1, exact=True)  # saving does not disturb training
+    resumed = tmp_path / "resumed"
+    proc = launch("python", BASE + ["strategy=single", flag, f"checkpoint.resume={first / 'checkpoints' / 'step_6'}"],
+                  resumed)
+    ok(proc)
+    assert "resumed from" in proc.stdout + proc.stderr
+    _assert_same(resumed, straight, 7, exact=True)
+
+
+def test_ddp_resume_is_bit_exact(ddp2, tmp_path):
+    shutil.copytree(ddp2 / "checkpoints" / "step_6", tmp_path / "checkpoints" / "step_6")
+    ok(launch("torchrun", BASE + ["strategy=ddp", "checkpoint.resume=auto"], tmp_path, nproc=2))
+    _assert_same(tmp_path, ddp2, 7, exact=True)
+
+
+@pytest.mark.parametrize("nproc,micro", [(1, 2), (4, 1)], ids=["to-ws1", "to-ws4"])
+def test_resume_on_another_world_size(straight, ddp2, tmp_path, nproc, micro):
+    proc = launch("torchrun", BASE + ["strategy=ddp", f"train.micro_batch_size={micro}",
+                                      f"checkpoint.resume={ddp2 / 'checkpoints' / 'step_6'}"], tmp_path, nproc=nproc)
+    ok(proc)
+    assert f"saved at world size 2, now {nproc}" in proc.stdout + proc.stderr
+    _assert_same(tmp_path, straight, 7, exact=False)
+
+
+def _rank_pids(run_dir) -> dict:
+    """{rank: pid} of the trainer processes of one run (found through /proc)."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if b"trainer/main.py" not in b" ".join(cmd) or f"hydra.run.dir={run_dir}".encode() not in cmd:
+                continue
+            env = dict(kv.split(b"=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in kv)
+            if b"RANK" in env:
+                found[int(env[b"RANK"])] = int(pid)
+        except OSError:
+            continue
+    return found
+
+
+def test_sigkill_during_save_leaves_previous_checkpoint_and_resume_matches(straight, tmp_path):
+    """Kill rank 0 with SIGKILL while the step-12 checkpoint is being written (some of its files are on disk,
+    its shards are not, it is not sealed): step_6 stays the newest complete checkpoint, the partial folder is ignored on resume and
+    removed by the next save, and the resumed run matches the uninterrupted one."""
+    run_dir = tmp_path / "run"
+    args = [str(VENV_BIN / "torchrun"), "--nproc_per_node=2", f"--master_port={free_port()}",
+            str(REPO / "trainer" / "main.py")] + BASE + ["strategy=ddp", "checkpoint.every=6",
+                                                          f"hydra.run.dir={run_dir}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TESSERA_TEST_SAVE_PAUSE="12:30")
+    proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        partial = run_dir / "checkpoints" / ".tmp-step_12"
+        deadline = time.time() + 240
+        while not (partial / "rng" / "rank_0.pt").exists():
+            assert proc.poll() is None and time.time() < deadline, "the run ended before the step-12 save"
+            time.sleep(0.05)
+        os.kill(_rank_pids(run_dir)[0], signal.SIGKILL)
+        proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    assert partial.is_dir() and not (partial / "COMPLETE.json").exists()
+    assert "step_6" in _ckpts(run_dir) and "step_12" not in _ckpts(run_dir)
+
+    resumed = launch("torchrun", BASE + ["strategy=ddp", "checkpoint.every=6", "checkpoint.resume=auto"], run_dir,
+                     nproc=2)
+    ok(resumed)
+    out = resumed.stdout + resumed.stderr
+    assert "ignoring incomplete checkpoint" in out and "resumed from" in out and "step_6 at step 6" in out
+    assert not partial.exists()  # cleaned by the next successful save
+    assert _ckpts(run_dir) == ["latest", "step_12", "step_16", "step_6"]
+    _assert_same(run_dir, straight, 7, exact=False)
+
+
+def test_sigterm_saves_and_exits_cleanly_then_resume_matches(straight, tmp_path):
+    main = [sys.executable, str(REPO / "trainer" / "main.py")] + BASE + ["strategy=single",
+                                                                          f"hydra.run.dir={tmp_path}"]
+    proc = subprocess.Popen(main, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    metrics_file = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 120
+    while not (metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 3):
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    stopped_at = metrics(tmp_path)[-1]["step"]
+    assert stopped_at < 16 and "stopped by SIGTERM" in out
+    assert f"step_{stopped_at}" in _ckpts(tmp_path)
+    ok(launch("python", BASE + ["strategy=single", "checkpoint.resume=auto"], tmp_path))
+    assert [r["step"] for r in metrics(tmp_path)] == list(range(1, 17))  # appended, no step twice
+    _assert_same(tmp_path, straight, 1, exact=True)
+
+
+def _expect_error(proc, text):
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert text in out, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+
+
+def test_damaged_checkpoints_are_refused_clearly(ddp2, tmp_path):
+    truncated = tmp_path / "truncated"
+    shutil.copytree(ddp2 / "checkpoints" / "step_6", truncated)
+    shard = next(truncated.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:1000])
+    _expect_error(launch("python", BASE + ["strategy=single", f"checkpoint.resume={truncated}"], tmp_path / "a"),
+                  "is damaged")
+
+    garbled = tmp_path / "garbled"
+    shutil.copytree(ddp2 / "checkpoints" / "step_6", garbled)
+    meta = garbled / ".metadata"
+    meta.write_bytes(bytes(len(meta.read_bytes())))  # same size, all zeros: passes the size check
+    _expect_error(launch("python", BASE + ["strategy=single", f"checkpoint.resume={garbled}"], tmp_path / "b"),
+                  "cannot load checkpoint")
+
+    unsealed = tmp_path / "unsealed"
+    shutil.copytree(ddp2 / "checkpoints" / "step_6", unsealed)
+    (unsealed / "COMPLETE.json").unlink()
+    _expect_error(launch("python", BASE + ["strategy=single", f"checkpoint.resume={unsealed}"], tmp_path / "c"),
+                  "incomplete checkpoint")
+    _expect_error(launch("python", BASE + ["strategy=single", f"checkpoint.resume={tmp_path / 'missing'}"],
+                         tmp_path / "d"), "no such path")
+
+
+def test_incompatible_checkpoints_are_refused_and_weights_only_works(ddp2, tmp_path):
+    step6 = ddp2 / "checkpoints" / "step_6"
+    _expect_error(launch("python", BASE + ["strategy=single", "model.num_layers=3", f"checkpoint.resume={step6}"],
+                         tmp_path / "a"), "the checkpoint holds another model")
+    _expect_error(launch("python", BASE + ["strategy=single", "train.global_batch_size=4",
+                                           f"checkpoint.resume={step6}"], tmp_path / "b"),
+                  "train.global_batch_size=4 but the checkpoint was saved with 8")
+    _expect_error(launch("python", BASE + ["strategy=single", "optim=sgd", f"checkpoint.resume={step6}"],
+                         tmp_path / "c"), "optim.name='sgd' but the checkpoint was trained with 'adamw'")
+    # Weights only: a new run (other optimizer, other batch) starts at step 0 from the checkpoint's weights.
+    proc = launch("python", BASE + ["strategy=single", "optim=sgd", "train.global_batch_size=4",
+                                    "checkpoint.load_weights_only=true", f"checkpoint.resume={step6}",
+                                    "train.max_steps=2", "eval.at_start=true"], tmp_path / "d")
+    ok(proc)
+    assert [r["step"] for r in metrics(tmp_path / "d")] == [1, 2]
+    fresh = launch("python", BASE + ["strategy=single", "optim=sgd", "train.global_batch_size=4",
+                                     "train.max_steps=2", "eval.at_start=true"], tmp_path / "e")
+    ok(fresh)
+    from tests.integration.conftest import read_jsonl
+
+    from_ckpt = read_jsonl(tmp_path / "d" / "eval.jsonl")[0]["val_loss"]
+    from_scratch = read_jsonl(tmp_path / "e" / "eval.jsonl")[0]["val_loss"]
+    assert from_ckpt < from_scratch - 0.1  # the trained weights were really loaded
+
+
+def test_full_disk_during_save_keeps_earlier_checkpoints(ddp2, tmp_path):
+    shutil.copytree(ddp2 / "checkpoints" / "step_6", tmp_path / "checkpoints" / "step_6")
+    before = sorted((p.name, p.stat().st_size) for p in (tmp_path / "checkpoints" / "step_6").rglob("*"))
+    shard_size = max(p.stat().st_size for p in (tmp_path / "checkpoints" / "step_6").glob("*.distcp"))
+
+    def small_files():  # every write past this size fails, as on a full disk (EFBIG instead of ENOSPC)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (shard_size // 2, shard_size // 2))
+
+    cmd = [sys.executable, str(REPO / "trainer" / "main.py")] + BASE + [
+        "strategy=single", "checkpoint.resume=auto", "checkpoint.every=6", f"hydra.run.dir={tmp_path}"]
+    proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=180, preexec_fn=small_files)
+    _expect_error(proc, "saving the checkpoint of step 12 failed")
+    assert "earlier checkpoints are intact" in proc.stderr
+    assert _ckpts(tmp_path) == ["step_6"]  # nothing partial left behind
+    assert sorted((p.name, p.stat().st_size) for p in (tmp_path / "checkpoints" / "step_6").rglob("*")) == before
+    ok(launch("python", BASE + ["strategy=single", "checkpoint.resume=auto", "checkpoint.at_end=false"], tmp_path))
+
+
+def test_export_from_checkpoint_matches_trained_model(tmp_path):
+    """Train in-process, save, export with `python -m trainer.export`: the export's logits equal the model's."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import compose_config
+    from trainer import build as B
+    from trainer.loop import fit
+
+    cfg = compose_config(BASE + ["strategy=single", "train.max_steps=3"])
+    run = B.build(B.prepare(cfg, str(tmp_path)))
+    try:
+        fit(run)
+        model = run.strategy.unwrapped().eval()
+    finally:
+        B.close(run)
+    out = tmp_path / "exported"
+    proc = subprocess.run([sys.executable, "-m", "trainer.export", str(tmp_path), str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    ok(proc)
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    ids = torch.tensor([[5, 77, 104, 32, 97, 256, 66, 12]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reloaded(ids).logits)

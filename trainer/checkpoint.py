@@ -1,0 +1,453 @@
+"""Checkpoints: one manager behind a narrow interface, atomic on disk, exact resume, any world size.
+
+Layout of `<run dir>/checkpoints/`:
+
+    step_<N>/             a complete checkpoint (only complete ones ever carry this name)
+      COMPLETE.json       written last: step and the size of every file (truncation is detected on load)
+      meta.json           step, tokens, loader position, scheduler, loss scaler, optimizer hyper-parameters,
+                          model shapes, data fingerprint, the degrees it was saved with
+      config.yaml         the resolved config of the run that saved it
+      rng/rank_<r>.pt     each rank's Python / NumPy / torch / CUDA RNG states
+      hf_config/          the model's Hugging Face config and tokenizer (for `python -m trainer.export`)
+      *.distcp, .metadata model and optimizer tensors, sharded by torch.distributed.checkpoint (DCP)
+    .tmp-step_<N>/        a save in progress, or one that died; never resumed from, removed by the next save
+    latest                the name of the newest complete checkpoint (moved only after it is complete)
+
+A save writes everything into `.tmp-step_<N>`; once every rank has written its part (DCP's collective finish
+step guarantees it), rank 0 writes COMPLETE.json and renames the folder to `step_<N>`: a crash at any moment
+leaves the earlier checkpoints as they were. DCP writes only tensors here (everything else is JSON), and
+loading reads DCP's metadata with an unpickler that admits only DCP's own record types, so loading never
+runs code from a file.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import random
+import re
+import shutil
+import time
+import warnings
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+
+from trainer.errors import TesseraError
+
+COMPLETE = "COMPLETE.json"
+STEP_RE = re.compile(r"^step_(\d+)$")
+TMP_PREFIX = ".tmp-step_"
+FORMAT = 1
+
+# One process without a process group is a normal case here (strategy=single), not something to warn about.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+class CheckpointError(TesseraError):
+    pass
+
+
+# --------------------------------------------------------------------------------------------------------
+# Safe reading of DCP checkpoints.
+
+class _DCPMetadataUnpickler(pickle.Unpickler):
+    """DCP pickles its `.metadata`; admit only its own dataclasses and the torch/builtin types they hold."""
+
+    _TORCH = {"Size", "dtype", "layout", "memory_format", "strided", "sparse_coo", "contiguous_format",
+              "channels_last", "preserve_format"}
+    _BUILTINS = {"set", "frozenset", "slice", "complex", "bytearray"}
+
+    def find_class(self, module, name):
+        if module.startswith("torch.distributed.checkpoint") or (module, name) in (
+                ("collections", "OrderedDict"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+                ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath")):
+            return super().find_class(module, name)
+        if module == "torch" and (name in self._TORCH or isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        if module == "builtins" and name in self._BUILTINS:
+            return super().find_class(module, name)
+        raise CheckpointError(f"the checkpoint metadata refers to {module}.{name}, which a checkpoint never holds; "
+                              f"refusing to load it")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    def read_metadata(self, *args, **kwargs):
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as fh:
+            metadata = _DCPMetadataUnpickler(fh).load()
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Finding checkpoints.
+
+def complete_checkpoints(root: str) -> List[Tuple[int, str]]:
+    """(step, path) of every complete checkpoint under `root`, oldest first."""
+    out = []
+    if os.path.isdir(root):
+        for name in os.listdir(root):
+            m = STEP_RE.match(name)
+            if m and os.path.isfile(os.path.join(root, name, COMPLETE)):
+                out.append((int(m.group(1)), os.path.join(root, name)))
+    return sorted(out)
+
+
+def partial_checkpoints(root: str) -> List[str]:
+    if not os.path.isdir(root):
+        return []
+    return sorted(os.path.join(root, n) for n in os.listdir(root)
+                  if n.startswith(TMP_PREFIX) or STEP_RE.match(n) and not os.path.isfile(os.path.join(root, n, COMPLETE)))
+
+
+def resolve(spec: str, run_dir: str, key: str = "checkpoint.resume") -> Optional[str]:
+    """`auto` -> the newest complete checkpoint of this run (or None); a path -> a complete checkpoint folder:
+    the path itself, or the newest under it (a checkpoints folder or a run directory)."""
+    if spec == "none":
+        return None
+    if spec == "auto":
+        found = complete_checkpoints(os.path.join(run_dir, "checkpoints"))
+        return found[-1][1] if found else None
+    path = os.path.abspath(os.path.expanduser(spec))
+    if not os.path.exists(path):
+        raise CheckpointError(f"{key}={spec!r}: no such path")
+    if os.path.isfile(os.path.join(path, COMPLETE)):
+        return path
+    for root in (path, os.path.join(path, "checkpoints")):
+        found = complete_checkpoints(root)
+        if found:
+            return found[-1][1]
+    if os.path.isfile(os.path.join(path, "meta.json")):
+        raise CheckpointError(f"{key}={spec!r} is an incomplete checkpoint (no {COMPLETE}): its save "
+                              f"did not finish; resume from an earlier one")
+    raise CheckpointError(f"{key}={spec!r} holds no complete checkpoint")
+
+
+def read_meta(path: str) -> dict:
+    try:
+        with open(os.path.join(path, "meta.json")) as fh:
+            meta = json.load(fh)
+        with open(os.path.join(path, COMPLETE)) as fh:
+            meta["_complete"] = json.load(fh)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path} is unreadable ({e}); resume from another one") from None
+    return meta
+
+
+def verify_files(path: str, meta: dict) -> None:
+    """Every file the save wrote is there with the size it had: catches truncation and missing shards."""
+    for rel, size in meta["_complete"]["files"].items():
+        full = os.path.join(path, rel)
+        if not os.path.isfile(full):
+            raise CheckpointError(f"checkpoint {path} is damaged: {rel} is missing")
+        actual = os.path.getsize(full)
+        if actual != size:
+            raise CheckpointError(f"checkpoint {path} is damaged: {rel} has {actual} bytes, {size} were written")
+    if os.path.isfile(os.path.join(path, ".metadata")):
+        try:
+            SafeFileSystemReader(path).read_metadata()
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any unpickling failure means a damaged file
+            raise CheckpointError(f"cannot load checkpoint {path}: its .metadata is damaged ({_short(e)}); "
+                                  f"resume from another one") from None
+
+
+def compatibility_problems(meta: dict, cfg, model_shapes: Dict[str, list], data_fingerprint: str,
+                           weights_only: bool) -> List[str]:
+    """What makes a checkpoint unusable for this run, each naming the mismatch."""
+    problems = []
+    saved = meta.get("model_shapes", {})
+    missing = sorted(set(saved) - set(model_shapes))
+    extra = sorted(set(model_shapes) - set(saved))
+    shape = sorted(k for k in set(saved) & set(model_shapes) if list(saved[k]) != list(model_shapes[k]))
+    if missing or extra or shape:
+        detail = []
+        if shape:
+            detail.append("shapes differ: " + ", ".join(f"{k} {saved[k]} (checkpoint) vs {model_shapes[k]} (model)"
+                                                        for k in shape[:3]))
+        if missing:
+            detail.append(f"{len(missing)} tensors only in the checkpoint (e.g. {missing[0]})")
+        if extra:
+            detail.append(f"{len(extra)} tensors only in the model (e.g. {extra[0]})")
+        problems.append(f"the checkpoint holds another model ({meta.get('model_desc', '?')}): " + "; ".join(detail))
+    if weights_only:
+        return problems
+    hint = " (or set checkpoint.load_weights_only=true to start a new run from its weights)"
+    if meta.get("optim_name") != cfg.optim.name:
+        problems.append(f"optim.name={cfg.optim.name!r} but the checkpoint was trained with "
+                        f"{meta.get('optim_name')!r}{hint}")
+    if meta.get("global_batch_size") != cfg.train.global_batch_size:
+        problems.append(f"train.global_batch_size={cfg.train.global_batch_size} but the checkpoint was saved with "
+                        f"{meta.get('global_batch_size')}: the data position would not carry over{hint}")
+    if meta.get("data_fingerprint") != data_fingerprint:
+        problems.append(f"the data differs from the checkpoint's (data.* / data.seq_len / tokenizer: "
+                        f"{meta.get('data_fingerprint')} vs {data_fingerprint}){hint}")
+    return problems
+
+
+# --------------------------------------------------------------------------------------------------------
+# RNG state, per rank.
+
+def rng_state() -> dict:
+    np_state = np.random.get_state()
+    state = {"python": random.getstate(),
+             "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(_tuplify(state["python"]))
+    n = state["numpy"]
+    np.random.set_state((n[0], np.asarray(n[1], dtype=np.uint32), n[2], n[3], n[4]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _tuplify(x):
+    return tuple(_tuplify(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+# --------------------------------------------------------------------------------------------------------
+
+def _files_with_sizes(folder: str) -> Dict[str, int]:
+    out = {}
+    for base, _, files in os.walk(folder):
+        for f in files:
+            full = os.path.join(base, f)
+            out[os.path.relpath(full, folder)] = os.path.getsize(full)
+    return out
+
+
+def _write_json_atomic(path: str, obj) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as fh:
+        json.dump(obj, fh, indent=1)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).strip()
+    m = re.search(r"(\[Errno \d+\][^\n']*)", text)
+    if m:
+        return m.group(1)
+    return text.splitlines()[0][:300] if text else type(e).__name__
+
+
+class CheckpointManager:
+    """save(step) / load(path) / wait() / close(); the strategy supplies the sharded state."""
+
+    def __init__(self, run):
+        self.run = run
+        self.cfg = run.cfg.checkpoint
+        self.root = os.path.join(run.run_dir, "checkpoints")
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.pending = None  # (future, tmp dir, final dir, step, start time) of an async save in flight
+        self.last_saved_step = None
+        self.stats: List[dict] = []  # per save: step, blocking seconds, total seconds, bytes
+        # A gloo group of its own: DCP's coordination (also from the async writer thread) never shares a
+        # communicator with training collectives, and works whatever the training backend is.
+        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        # Fault-injection tests only: "STEP:SECONDS" pauses every rank in the middle of that step's save (its
+        # small files written, its shards not yet), so a test can kill a rank there.
+        pause = os.environ.get("TESSERA_TEST_SAVE_PAUSE", "")
+        self.test_pause = tuple(float(x) for x in pause.split(":")) if pause else None
+
+    # ---- saving -------------------------------------------------------------------------------------------
+    def maybe_save(self, step: int, last: bool = False) -> None:
+        every = self.cfg.every
+        if (every > 0 and step % every == 0) or last:
+            self.save(step)
+
+    def save(self, step: int) -> None:
+        if self.last_saved_step == step:
+            return
+        self.wait()
+        run = self.run
+        final = os.path.join(self.root, f"step_{step}")
+        tmp = os.path.join(self.root, f"{TMP_PREFIX}{step}")
+        t0 = time.perf_counter()
+        try:
+            if self.rank == 0:
+                os.makedirs(self.root, exist_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)
+                os.makedirs(os.path.join(tmp, "rng"))
+                self._write_rank0_files(tmp, step)
+            self._barrier()  # the folder exists before any rank writes into it
+            torch.save(rng_state(), os.path.join(tmp, "rng", f"rank_{self.rank}.pt"))
+            if self.test_pause and self.test_pause[0] == step:
+                time.sleep(self.test_pause[1])
+            state = run.strategy.checkpoint_state()
+            no_dist = self.group is None
+            if self.cfg.async_save:
+                future = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group, no_dist=no_dist)
+                self.pending = (future, tmp, final, step, t0)
+                self.stats.append({"step": step, "blocking_s": time.perf_counter() - t0})
+            else:
+                dcp.save(state, checkpoint_id=tmp, process_group=self.group, no_dist=no_dist)
+                self.stats.append({"step": step, "blocking_s": None})
+                self._finalize(tmp, final, step, t0)
+        except (CheckpointError, KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # noqa: BLE001 - disk full, a peer's failure (DCP's CheckpointException)
+            self._abandon(tmp)
+            raise CheckpointError(f"saving the checkpoint of step {step} failed: {_short(e)}; the earlier "
+                                  f"checkpoints are intact") from None
+        self.last_saved_step = step
+
+    def wait(self) -> None:
+        """Finish an async save in flight (every rank calls this before the next save and at the end)."""
+        if self.pending is None:
+            return
+        future, tmp, final, step, t0 = self.pending
+        self.pending = None
+        try:
+            future.result()
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # noqa: BLE001
+            self._abandon(tmp)
+            raise CheckpointError(f"the background save of step {step} failed: {_short(e)}; the earlier "
+                                  f"checkpoints are intact") from None
+        self._finalize(tmp, final, step, t0)
+
+    def poll(self) -> None:
+        """Finalize an async save as soon as it is done, without waiting for it."""
+        if self.pending is not None and self.pending[0].done():
+            self.wait()
+
+    def _finalize(self, tmp: str, final: str, step: int, t0: float) -> None:
+        # DCP's save returns (or its future resolves) on the coordinator only after every rank reported its
+        # writes done, so rank 0 alone can seal the checkpoint.
+        if self.rank == 0:
+            files = _files_with_sizes(tmp)
+            _write_json_atomic(os.path.join(tmp, COMPLETE), {"step": step, "format": FORMAT, "files": files,
+                                                              "time": time.time()})
+            if os.path.exists(final):
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync_dir(self.root)
+            with open(os.path.join(self.root, "latest.tmp"), "w") as fh:
+                fh.write(os.path.basename(final) + "\n")
+            os.replace(os.path.join(self.root, "latest.tmp"), os.path.join(self.root, "latest"))
+            self._retain(keep=final)
+            total = time.perf_counter() - t0
+            nbytes = sum(files.values())
+            rec = self.stats[-1] if self.stats and self.stats[-1]["step"] == step else {"step": step}
+            rec.update(total_s=total, bytes=nbytes)
+            self.run.logger.info(f"saved checkpoint {final} ({nbytes / 2**20:.1f} MiB in {total:.2f}s)")
+
+    def _retain(self, keep: str) -> None:
+        for stale in partial_checkpoints(self.root):
+            if stale != keep:
+                shutil.rmtree(stale, ignore_errors=True)
+        complete = complete_checkpoints(self.root)
+        if self.cfg.keep_last > 0:
+            for _, path in complete[:-self.cfg.keep_last]:
+                shutil.rmtree(path, ignore_errors=True)
+
+    def _abandon(self, tmp: str) -> None:
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _barrier(self) -> None:
+        if self.group is not None:
+            dist.barrier(group=self.group)
+
+    def _write_rank0_files(self, tmp: str, step: int) -> None:
+        from omegaconf import OmegaConf
+
+        run = self.run
+        meta = {
+            "format": FORMAT, "step": step, "tokens_seen": run.tokens_seen, "skipped_steps": run.skipped_steps,
+            "loader": run.sampler.state_dict(step), "scheduler": run.scheduler.state_dict(),
+            "precision": run.strategy.precision.state_dict(), "optim_name": run.cfg.optim.name,
+            "optim_param_groups": run.strategy.optimizer_param_groups(),
+            "global_batch_size": run.cfg.train.global_batch_size, "data_fingerprint": run.data.fingerprint,
+            "model_shapes": run.model_shapes, "model_desc": run.model_desc, "strategy": run.cfg.strategy.name,
+            "world_size": run.strategy.dims.world_size, "dp_size": run.strategy.dp_size,
+        }
+        with open(os.path.join(tmp, "meta.json"), "w") as fh:
+            json.dump(meta, fh, default=_json_default)
+        OmegaConf.save(OmegaConf.structured(run.cfg), os.path.join(tmp, "config.yaml"))
+        hf_dir = os.path.join(tmp, "hf_config")
+        run.strategy.unwrapped().config.save_pretrained(hf_dir)
+        run.tokenizer.save_pretrained(hf_dir)
+
+    # ---- loading ------------------------------------------------------------------------------------------
+    def load(self, path: str, weights_only: bool) -> None:
+        """Restore the run from a complete checkpoint (compatibility was checked before the process group
+        started). With weights_only, only the model's weights: a new run starts from them at step 0."""
+        run = self.run
+        meta = read_meta(path)
+        verify_files(path, meta)
+        state = run.strategy.checkpoint_state(model_only=weights_only)
+        try:
+            dcp.load(state, checkpoint_id=path, storage_reader=SafeFileSystemReader(path),
+                     planner=SafeLoadPlanner(), process_group=self.group, no_dist=self.group is None)
+        except (CheckpointError, KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            raise CheckpointError(f"cannot load checkpoint {path}: {_short(e)}; it may be damaged, resume from "
+                                  f"another one") from None
+        run.strategy.load_checkpoint_state(state, None if weights_only else meta["optim_param_groups"])
+        if weights_only:
+            run.logger.info(f"loaded the model weights of {path}; starting a new run at step 0")
+            return
+        run.step = meta["step"]
+        run.tokens_seen = meta["tokens_seen"]
+        run.skipped_steps = meta["skipped_steps"]
+        run.scheduler.load_state_dict(meta["scheduler"])
+        run.strategy.precision.load_state_dict(meta["precision"])
+        rng_file = os.path.join(path, "rng", f"rank_{self.rank}.pt")
+        if os.path.isfile(rng_file) and meta["world_size"] == run.strategy.dims.world_size:
+            set_rng_state(torch.load(rng_file, weights_only=True))
+        self.last_saved_step = run.step
+        change = "" if meta["world_size"] == run.strategy.dims.world_size else \
+            f" (saved at world size {meta['world_size']}, now {run.strategy.dims.world_size})"
+        run.logger.info(f"resumed from {path} at step {run.step}{change}")
+
+    def close(self) -> None:
+        self.wait()
+
+
+def _json_default(o):
+    if isinstance(o, torch.Tensor):
+        return o.item() if o.numel() == 1 else o.tolist()
+    if isinstance(o, (np.integer, np.floating)):
+        return o.item()
+    if isinstance(o, tuple):
+        return list(o)
+    raise TypeError(f"cannot store {type(o).__name__} in meta.json")

@@ -1,0 +1,71 @@
+"""Export a checkpoint as a Hugging Face model folder (safetensors + config + tokenizer).
+
+    python -m trainer.export <checkpoint> <out dir>
+
+<checkpoint> is a `step_<N>` folder, a run's `checkpoints/` folder or a run directory (then its newest complete
+checkpoint). Whatever strategy and world size saved it, the result loads with
+`AutoModelForCausalLM.from_pretrained(<out dir>)`. One process, no process group.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def export_checkpoint(checkpoint: str, out_dir: str) -> str:
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from trainer import checkpoint as ckpt
+    from trainer.strategies.base import write_hf_folder
+
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    path = ckpt.resolve(checkpoint, checkpoint, key="checkpoint")
+    if path is None:
+        raise ckpt.CheckpointError(f"{checkpoint}: no complete checkpoint")
+    meta = ckpt.read_meta(path)
+    ckpt.verify_files(path, meta)
+    hf_dir = os.path.join(path, "hf_config")
+    config = AutoConfig.from_pretrained(hf_dir)
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    model = model.to_empty(device="cpu")
+    state = {"model": model.state_dict()}
+    try:
+        dcp.load(state, checkpoint_id=path, storage_reader=ckpt.SafeFileSystemReader(path),
+                 planner=ckpt.SafeLoadPlanner(), no_dist=True)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        raise ckpt.CheckpointError(f"cannot read the model from {path}: {ckpt._short(e)}") from None
+    model.load_state_dict(state["model"])
+    model.tie_weights()
+    write_hf_folder(model, tokenizer, out_dir)
+    return path
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainer.export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", help="a step_<N> folder, a checkpoints/ folder or a run directory")
+    parser.add_argument("out_dir", help="where to write the Hugging Face model folder")
+    args = parser.parse_args(argv)
+    from trainer.errors import TesseraError
+
+    try:
+        path = export_checkpoint(args.checkpoint, args.out_dir)
+    except TesseraError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"exported {path} to {os.path.abspath(args.out_dir)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
