@@ -294,11 +294,11 @@ class CheckpointManager:
     def save(self, step: int) -> None:
         if self.last_saved_step == step:
             return
+        t0 = time.perf_counter()  # a previous async save still writing blocks this step too: count it
         self.wait()
         run = self.run
         final = os.path.join(self.root, f"step_{step}")
         tmp = os.path.join(self.root, f"{TMP_PREFIX}{step}")
-        t0 = time.perf_counter()
         try:
             if self.rank == 0:
                 os.makedirs(self.root, exist_ok=True)
