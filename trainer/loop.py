@@ -13,7 +13,6 @@ import time
 import numpy as np
 import torch
 
-from trainer.data.sampler import rank_slice
 from trainer.metrics import Throughput, device_peak_tflops, flops_per_token, peak_memory_gib
 
 

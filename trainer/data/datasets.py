@@ -7,6 +7,7 @@ labels only on response tokens.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -124,10 +125,23 @@ def build_data(cfg, tokenizer, vocab_size: int, log: Callable[[str], None] = pri
                         f"add data or lower data.seq_len")
     perm = np.random.Generator(np.random.PCG64(d.split_seed)).permutation(n)
     val_idx, train_idx = np.sort(perm[:n_val]), np.sort(perm[n_val:])
-    fingerprint = f"{store.path.rsplit('/', 1)[-1]}:L{d.seq_len}:v{d.val_fraction}:s{d.split_seed}"
+    fingerprint = f"{content_digest(store)}:L{d.seq_len}:v{d.val_fraction}:s{d.split_seed}"
     desc = (f"{d.kind} data: {store.meta['num_documents']} documents, {store.meta['num_tokens']} tokens, "
             f"{len(train_idx)} train / {len(val_idx)} validation sequences of {d.seq_len} tokens")
     return DataSplits(Subset(seqs, train_idx), Subset(seqs, val_idx), fingerprint, store.meta["num_tokens"], desc)
+
+
+def content_digest(store: TokenStore, edge_bytes: int = 4 << 20) -> str:
+    """Identity of the tokenized data by content (not by path or file times, so a copied corpus resumes):
+    its token count and the first and last few MiB of its tokens (and response mask)."""
+    h = hashlib.sha256(f"{store.meta['kind']}|{store.meta['num_tokens']}|{store.meta['dtype']}".encode())
+    for arr in (store.tokens, store.mask):
+        if arr is None:
+            continue
+        raw = np.asarray(arr).view(np.uint8)
+        h.update(raw[:edge_bytes].tobytes())
+        h.update(raw[-edge_bytes:].tobytes())
+    return h.hexdigest()[:16]
 
 
 def _text_items(d, tokenizer):
