@@ -107,7 +107,8 @@ def _check_resume(cfg, run_dir: str, p: Prepared) -> Optional[str]:
     meta = ckpt.read_meta(path)
     ckpt.verify_files(path, meta)
     problems = ckpt.compatibility_problems(meta, cfg, p.model_shapes, p.data.fingerprint,
-                                           cfg.checkpoint.load_weights_only)
+                                           cfg.checkpoint.load_weights_only, p.strategy_cls.checkpoint_format,
+                                           p.dims.dp_size)
     if problems:
         raise ckpt.CheckpointError(f"cannot resume from {path}:\n" + "\n".join(f"  - {x}" for x in problems))
     if meta["step"] >= cfg.train.max_steps and not cfg.checkpoint.load_weights_only:

@@ -35,7 +35,6 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 
 from trainer.errors import TesseraError
@@ -169,7 +168,7 @@ def verify_files(path: str, meta: dict) -> None:
 
 
 def compatibility_problems(meta: dict, cfg, model_shapes: Dict[str, list], data_fingerprint: str,
-                           weights_only: bool) -> List[str]:
+                           weights_only: bool, checkpoint_format: str = "dcp", dp_size: int = 1) -> List[str]:
     """What makes a checkpoint unusable for this run, each naming the mismatch."""
     problems = []
     saved = meta.get("model_shapes", {})
@@ -186,6 +185,14 @@ def compatibility_problems(meta: dict, cfg, model_shapes: Dict[str, list], data_
         if extra:
             detail.append(f"{len(extra)} tensors only in the model (e.g. {extra[0]})")
         problems.append(f"the checkpoint holds another model ({meta.get('model_desc', '?')}): " + "; ".join(detail))
+    saved_format = meta.get("checkpoint_format", "dcp")
+    if saved_format != checkpoint_format:
+        problems.append(f"the checkpoint is in {saved_format} format (saved by strategy={meta.get('strategy')}) and "
+                        f"strategy={cfg.strategy.name} reads {checkpoint_format}; resume with a strategy of that "
+                        f"format, or export it (python -m trainer.export) and start from model=hf")
+    elif saved_format == "deepspeed" and meta.get("dp_size") != dp_size:
+        problems.append(f"the DeepSpeed checkpoint was saved at data-parallel size {meta.get('dp_size')} and this "
+                        f"run has {dp_size}; resuming ZeRO checkpoints at another size is not supported yet")
     if weights_only:
         return problems
     hint = " (or set checkpoint.load_weights_only=true to start a new run from its weights)"
@@ -309,19 +316,21 @@ class CheckpointManager:
             torch.save(rng_state(), os.path.join(tmp, "rng", f"rank_{self.rank}.pt"))
             if self.test_pause and self.test_pause[0] == step:
                 time.sleep(self.test_pause[1])
-            state = run.strategy.checkpoint_state()
-            no_dist = self.group is None
-            if self.cfg.async_save:
-                future = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group, no_dist=no_dist)
+            future = run.strategy.save_checkpoint_state(tmp, self.group, self.cfg.async_save)
+            if future is not None:
                 self.pending = (future, tmp, final, step, t0)
                 self.stats.append({"step": step, "blocking_s": time.perf_counter() - t0})
             else:
-                dcp.save(state, checkpoint_id=tmp, process_group=self.group, no_dist=no_dist)
+                self._barrier()  # every rank's part is on disk before rank 0 seals the folder
                 self.stats.append({"step": step, "blocking_s": None})
                 self._finalize(tmp, final, step, t0)
         except (CheckpointError, KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # noqa: BLE001 - disk full, a peer's failure (DCP's CheckpointException)
+            if os.environ.get("TESSERA_DEBUG"):
+                import traceback
+
+                traceback.print_exc()
             self._abandon(tmp)
             raise CheckpointError(f"saving the checkpoint of step {step} failed: {_short(e)}; the earlier "
                                   f"checkpoints are intact") from None
@@ -398,6 +407,7 @@ class CheckpointManager:
             "global_batch_size": run.cfg.train.global_batch_size, "data_fingerprint": run.data.fingerprint,
             "model_shapes": run.model_shapes, "model_desc": run.model_desc, "strategy": run.cfg.strategy.name,
             "world_size": run.strategy.dims.world_size, "dp_size": run.strategy.dp_size,
+            "checkpoint_format": run.strategy.checkpoint_format,
         }
         with open(os.path.join(tmp, "meta.json"), "w") as fh:
             json.dump(meta, fh, default=_json_default)
@@ -413,16 +423,13 @@ class CheckpointManager:
         run = self.run
         meta = read_meta(path)
         verify_files(path, meta)
-        state = run.strategy.checkpoint_state(model_only=weights_only)
         try:
-            dcp.load(state, checkpoint_id=path, storage_reader=SafeFileSystemReader(path),
-                     planner=SafeLoadPlanner(), process_group=self.group, no_dist=self.group is None)
+            run.strategy.load_checkpoint_from(path, self.group, weights_only, meta["optim_param_groups"])
         except (CheckpointError, KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             raise CheckpointError(f"cannot load checkpoint {path}: {_short(e)}; it may be damaged, resume from "
                                   f"another one") from None
-        run.strategy.load_checkpoint_state(state, None if weights_only else meta["optim_param_groups"])
         if weights_only:
             run.logger.info(f"loaded the model weights of {path}; starting a new run at step 0")
             return

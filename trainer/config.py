@@ -72,6 +72,16 @@ class StrategyConfig:
     pp: int = 1
     pp_schedule: str = "1f1b"
     deepspeed_config: Optional[str] = None
+    # DeepSpeed ZeRO (strategy=zero1/zero2/zero3/zero3_offload; the group sets zero_stage).
+    zero_stage: int = 0
+    offload_optimizer: str = "none"  # none | cpu | nvme
+    offload_param: str = "none"  # none | cpu | nvme (stage 3 only)
+    nvme_path: Optional[str] = None
+    overlap_comm: bool = True
+    reduce_bucket_size: float = 5e8
+    allgather_bucket_size: float = 5e8
+    stage3_prefetch_bucket_size: float = 5e7
+    stage3_param_persistence_threshold: float = 1e5
     # DDP knobs.
     bucket_cap_mb: float = 25.0
     find_unused_parameters: bool = False

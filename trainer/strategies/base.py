@@ -30,6 +30,8 @@ class Strategy:
     # Degrees (strategy.<key>) this strategy can use beyond 1.
     degrees: ClassVar[FrozenSet[str]] = frozenset()
     needs_process_group: ClassVar[bool] = True
+    # What save_checkpoint_state writes: checkpoints of one format are only read by strategies of the same.
+    checkpoint_format: ClassVar[str] = "dcp"
 
     def __init__(self, cfg, dims, device: torch.device, precision):
         self.cfg, self.dims, self.device, self.precision = cfg, dims, device, precision
@@ -43,7 +45,7 @@ class Strategy:
         for key in ("dp_replicate", "dp_shard", "tp", "pp"):
             value = getattr(cfg.strategy, key)
             if value not in (1, -1) and key not in cls.degrees:
-                problems.append(f"strategy={cls.name} does not use strategy.{key} (got {value}); set it to 1 "
+                problems.append(f"strategy={cfg.strategy.name} does not use strategy.{key} (got {value}); set it to 1 "
                                 f"or pick a strategy that does")
         return problems
 
@@ -136,6 +138,27 @@ class Strategy:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         return get_optimizer_state_dict(self.model, self.optimizer)["param_groups"]
+
+    def save_checkpoint_state(self, folder: str, group, async_save: bool):
+        """Write the model and optimizer tensors into `folder` (DCP, sharded per rank). Returns the future of
+        an async save, else None."""
+        import torch.distributed.checkpoint as dcp
+
+        state = self.checkpoint_state()
+        if async_save:
+            return dcp.async_save(state, checkpoint_id=folder, process_group=group, no_dist=group is None)
+        dcp.save(state, checkpoint_id=folder, process_group=group, no_dist=group is None)
+        return None
+
+    def load_checkpoint_from(self, folder: str, group, weights_only: bool, param_groups) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        from trainer.checkpoint import SafeFileSystemReader, SafeLoadPlanner
+
+        state = self.checkpoint_state(model_only=weights_only)
+        dcp.load(state, checkpoint_id=folder, storage_reader=SafeFileSystemReader(folder), planner=SafeLoadPlanner(),
+                 process_group=group, no_dist=group is None)
+        self.load_checkpoint_state(state, None if weights_only else param_groups)
 
     def load_checkpoint_state(self, state: dict, param_groups) -> None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict

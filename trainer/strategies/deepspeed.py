@@ -1,0 +1,270 @@
+"""DeepSpeed ZeRO stages 1, 2 and 3 (and offload) over deepspeed.initialize.
+
+The DeepSpeed config is generated from the Hydra config; a user's own JSON (`strategy.deepspeed_config`) is
+merged in: HF-style "auto" values are filled from the Hydra config, explicit values that contradict it are a
+config error naming both keys. The optimizer and lr schedule stay Tessera's (the same as on every backend), so
+an "optimizer" or "scheduler" section of a user's JSON only has its "auto" values checked and is then left out.
+
+Numbers: DeepSpeed scales each micro-batch loss by 1/accumulation and averages gradients over the
+data-parallel ranks. Tessera's micro-batch loss is already its share of the global token-normalized loss, so
+backward runs with `scale_wrt_gas=False` on the loss times the data-parallel degree: the reduced gradient is
+then exactly the global batch's gradient.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import List
+
+import torch
+import torch.distributed as dist
+
+from trainer.errors import ConfigError
+from trainer.strategies.base import Strategy, token_loss_sum
+
+STAGES = {"zero1": 1, "zero2": 2, "zero3": 3, "zero3_offload": 3}
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+
+def _read_user_json(path: str) -> dict:
+    try:
+        with open(path) as fh:
+            data = json.load(fh)
+    except OSError as e:
+        raise ConfigError([f"strategy.deepspeed_config={path!r}: cannot read it ({e.strerror})"]) from None
+    except ValueError as e:
+        raise ConfigError([f"strategy.deepspeed_config={path!r} is not valid JSON: {e}"]) from None
+    if not isinstance(data, dict):
+        raise ConfigError([f"strategy.deepspeed_config={path!r} must hold a JSON object"])
+    return data
+
+
+def _is_auto(v) -> bool:
+    return isinstance(v, str) and v == "auto"
+
+
+def build_ds_config(cfg, dp_size: int) -> tuple:
+    """(DeepSpeed config dict, problems). Hydra's values win where the user's JSON says "auto" or is silent;
+    a contradiction is a problem naming both keys."""
+    s, t = cfg.strategy, cfg.train
+    problems: List[str] = []
+    accum = t.global_batch_size // max(1, t.micro_batch_size * dp_size)
+    stage = s.zero_stage
+    offload_opt = s.offload_optimizer
+    offload_param = s.offload_param
+    user = _read_user_json(s.deepspeed_config) if s.deepspeed_config else {}
+    src = f"strategy.deepspeed_config ({os.path.basename(s.deepspeed_config)})" if s.deepspeed_config else ""
+
+    def take(key_path: str, ours, hydra_key: str, equal=None):
+        """The user's value at key_path (dotted) if explicit and consistent, else ours."""
+        node = user
+        parts = key_path.split(".")
+        for p in parts[:-1]:
+            node = node.get(p, {}) if isinstance(node, dict) else {}
+        if not isinstance(node, dict) or parts[-1] not in node or _is_auto(node[parts[-1]]):
+            return ours
+        theirs = node[parts[-1]]
+        same = equal(theirs, ours) if equal else theirs == ours
+        if not same:
+            problems.append(f"{src}: {key_path}={theirs!r} contradicts {hydra_key}={ours!r}; change one of them "
+                            f"(or write \"auto\" in the JSON)")
+        return ours
+
+    take("train_batch_size", t.global_batch_size, "train.global_batch_size")
+    take("train_micro_batch_size_per_gpu", t.micro_batch_size, "train.micro_batch_size")
+    take("gradient_accumulation_steps", accum,
+         "the accumulation derived from train.global_batch_size / (micro batch x data-parallel degree)")
+    take("gradient_clipping", t.grad_clip, "train.grad_clip", equal=lambda a, b: float(a) == float(b))
+    precision = cfg.precision.name
+    for name in ("fp16", "bf16"):
+        take(f"{name}.enabled", precision == name, f"precision={precision} ({name}.enabled)",
+             equal=lambda a, b: bool(a) == b)
+    if "amp" in user and user["amp"].get("enabled") and not _is_auto(user["amp"].get("enabled")):
+        problems.append(f"{src}: amp.enabled is not supported; use precision=bf16 or precision=fp16")
+    zero_user = user.get("zero_optimization", {}) if isinstance(user.get("zero_optimization", {}), dict) else {}
+    if "stage" in zero_user and not _is_auto(zero_user["stage"]) and int(zero_user["stage"]) != stage:
+        problems.append(f"{src}: zero_optimization.stage={zero_user['stage']} contradicts strategy={s.name} "
+                        f"(stage {stage}); pick the strategy that matches the JSON")
+    for legacy, key in (("cpu_offload", "offload_optimizer"), ("cpu_offload_params", "offload_param")):
+        if zero_user.get(legacy) is True and key not in zero_user:  # legacy spellings DeepSpeed still reads
+            zero_user[key] = {"device": "cpu"}
+        zero_user.pop(legacy, None)
+    if "offload_optimizer" in zero_user and offload_opt == "none":
+        offload_opt = zero_user["offload_optimizer"].get("device", "none")
+    if "offload_param" in zero_user and offload_param == "none":
+        offload_param = zero_user["offload_param"].get("device", "none")
+
+    zero = dict(zero_user)
+    zero["stage"] = stage
+    zero.setdefault("overlap_comm", s.overlap_comm)
+    zero.setdefault("contiguous_gradients", True)
+    for key, ours in (("reduce_bucket_size", s.reduce_bucket_size), ("allgather_bucket_size", s.allgather_bucket_size),
+                      ("stage3_prefetch_bucket_size", s.stage3_prefetch_bucket_size),
+                      ("stage3_param_persistence_threshold", s.stage3_param_persistence_threshold)):
+        if key.startswith("stage3") and stage != 3:
+            zero.pop(key, None)
+            continue
+        if key not in zero or _is_auto(zero[key]):
+            zero[key] = int(ours)
+    if offload_opt != "none":
+        zero["offload_optimizer"] = dict(zero.get("offload_optimizer", {}), device=offload_opt)
+        if offload_opt == "nvme":
+            zero["offload_optimizer"].setdefault("nvme_path", s.nvme_path)
+    else:
+        zero.pop("offload_optimizer", None)
+    if offload_param != "none":
+        zero["offload_param"] = dict(zero.get("offload_param", {}), device=offload_param)
+        if offload_param == "nvme":
+            zero["offload_param"].setdefault("nvme_path", s.nvme_path)
+    else:
+        zero.pop("offload_param", None)
+    if offload_param != "none" and stage != 3:
+        problems.append(f"parameter offload (strategy.offload_param={offload_param}) needs ZeRO stage 3; use "
+                        f"strategy=zero3 or zero3_offload")
+    if offload_opt != "none" and stage == 0:
+        problems.append("strategy.offload_optimizer needs ZeRO stage 1, 2 or 3")
+    if "nvme" in (offload_opt, offload_param) and not s.nvme_path:
+        problems.append("NVMe offload needs strategy.nvme_path=<a folder on a fast local disk>")
+
+    for section, mapping in (("optimizer", {"lr": cfg.optim.lr, "weight_decay": cfg.optim.weight_decay,
+                                            "betas": list(cfg.optim.betas), "eps": cfg.optim.eps}),):
+        params = user.get(section, {}).get("params", {}) if isinstance(user.get(section), dict) else {}
+        for k, ours in mapping.items():
+            if k in params and not _is_auto(params[k]) and params[k] != ours:
+                problems.append(f"{src}: {section}.params.{k}={params[k]!r} contradicts optim.{k}={ours!r}; Tessera's "
+                                f"optimizer is used on every backend, so set optim.{k} instead")
+
+    ds = {
+        "train_batch_size": t.global_batch_size,
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": accum,
+        "gradient_clipping": float(t.grad_clip),
+        "zero_optimization": zero,
+        "bf16": {"enabled": precision == "bf16"},
+        "fp16": {"enabled": precision == "fp16"},
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+    if precision == "fp16":
+        fp16_user = user.get("fp16", {}) if isinstance(user.get("fp16"), dict) else {}
+        ds["fp16"].update({k: v for k, v in fp16_user.items() if k != "enabled" and not _is_auto(v)})
+        ds["fp16"].setdefault("initial_scale_power", int(round(math.log2(cfg.precision.init_scale))))
+        ds["fp16"].setdefault("loss_scale_window", cfg.precision.growth_interval)
+        ds["fp16"].setdefault("loss_scale", 0)
+    for key in ("activation_checkpointing", "flops_profiler", "comms_logger", "aio", "communication_data_type"):
+        if key in user:
+            ds[key] = user[key]
+    return ds, problems
+
+
+class DeepSpeedStrategy(Strategy):
+    name = "zero"
+    names = tuple(STAGES)
+    launcher = "deepspeed"
+    degrees = frozenset({"dp_replicate"})
+    checkpoint_format = "deepspeed"
+
+    def __init__(self, cfg, dims, device, precision):
+        from types import SimpleNamespace
+
+        from trainer.precision import Precision
+
+        # DeepSpeed runs bf16/fp16 itself (half weights, fp32 master copy, its loss scaler): no autocast on top.
+        super().__init__(cfg, dims, device, Precision(SimpleNamespace(precision=SimpleNamespace(name="fp32")), device))
+
+    @classmethod
+    def config_problems(cls, cfg, world_size: int) -> List[str]:
+        problems = super().config_problems(cfg, world_size)
+        s = cfg.strategy
+        if s.zero_stage != STAGES[s.name]:
+            problems.append(f"strategy.zero_stage={s.zero_stage} contradicts strategy={s.name} "
+                            f"(stage {STAGES[s.name]}); leave strategy.zero_stage as the group sets it")
+        for key in ("offload_optimizer", "offload_param"):
+            if getattr(s, key) not in OFFLOAD_DEVICES:
+                problems.append(f"strategy.{key}={getattr(s, key)!r} is not one of {', '.join(OFFLOAD_DEVICES)}")
+        if cfg.checkpoint.async_save:
+            problems.append(f"checkpoint.async_save=true is not available with strategy={s.name} (DeepSpeed writes "
+                            f"its checkpoints itself); set checkpoint.async_save=false")
+        if world_size > 0:
+            try:
+                _, ds_problems = build_ds_config(cfg, max(1, world_size))
+                problems += ds_problems
+            except ConfigError as e:
+                problems += e.problems
+        return problems
+
+    def setup(self, model, build_optimizer):
+        import deepspeed
+
+        self.ds_config, _ = build_ds_config(self.cfg, self.dp_size)
+        model = model.to(self.device)
+        optimizer = build_optimizer(model.named_parameters())
+        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config)
+        self.model = self.engine
+        # Tessera's lr schedule drives the param groups of the client optimizer, which ZeRO steps.
+        self.optimizer = optimizer
+        return self.model, self.optimizer
+
+    def forward_backward(self, micro_batches, num_target_tokens: int) -> torch.Tensor:
+        total = torch.zeros((), device=self.device)
+        for batch in micro_batches:
+            batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+            ce_sum = token_loss_sum(self.engine, batch, self.precision)
+            # x dp: DeepSpeed averages over the data-parallel ranks; scale_wrt_gas=False: no 1/accumulation.
+            self.engine.backward(ce_sum * (self.dp_size / num_target_tokens), scale_wrt_gas=False)
+            self.engine.step()  # an optimizer step only at the accumulation boundary (the last micro-batch)
+            total += ce_sum.detach()
+        return total
+
+    def optimizer_step(self, max_norm: float):
+        # The engine stepped (and clipped to gradient_clipping) in forward_backward's last micro-batch.
+        norm = self.engine.get_global_grad_norm()
+        norm = torch.as_tensor(float(norm) if norm is not None else float("nan"))
+        skipped = bool(getattr(self.engine, "skipped_steps", 0) > self._skipped_seen)
+        self._skipped_seen = getattr(self.engine, "skipped_steps", 0)
+        return norm, skipped
+
+    _skipped_seen = 0
+
+    @torch.no_grad()
+    def eval_loss_sum(self, micro_batches):
+        return super().eval_loss_sum(micro_batches)
+
+    def unwrapped(self):
+        return self.engine.module
+
+    # ---- checkpoints: DeepSpeed's own sharded format inside the manager's atomic folder ------------------
+    def optimizer_param_groups(self) -> list:
+        return []  # DeepSpeed's checkpoint carries its optimizer's param groups itself
+
+    def save_checkpoint_state(self, folder: str, group, async_save: bool):
+        self.engine.save_checkpoint(folder, tag="zero", client_state={}, save_latest=False)
+        return None
+
+    def load_checkpoint_from(self, folder: str, group, weights_only: bool, param_groups) -> None:
+        load_path, _ = self.engine.load_checkpoint(folder, tag="zero", load_module_strict=True,
+                                                   load_optimizer_states=not weights_only,
+                                                   load_lr_scheduler_states=False,
+                                                   load_module_only=weights_only)
+        if load_path is None:
+            from trainer.checkpoint import CheckpointError
+
+            raise CheckpointError(f"DeepSpeed could not load the checkpoint in {folder}")
+
+    def export_hf(self, out_dir: str, tokenizer) -> None:
+        from trainer.strategies.base import write_hf_folder
+
+        if self.cfg.strategy.zero_stage == 3:
+            state = self.engine._zero3_consolidated_16bit_state_dict()  # full tensors on rank 0 only
+        else:
+            state = None
+        if dist.get_rank() == 0:
+            write_hf_folder(self.unwrapped(), tokenizer, out_dir, state_dict=state)
+        dist.barrier()
+
+    def close(self) -> None:
+        super().close()
+        self.engine = None
