@@ -162,6 +162,7 @@ def build(p: Prepared) -> Run:
     rank = dist.get_rank() if dist.is_initialized() else 0
     precision = Precision(cfg, device)
     strategy = p.strategy_cls(cfg, p.dims, device, precision)
+    strategy.run_dir = p.run_dir
     model = registry.build(cfg.model, p.model_info, cfg.train.seed)
     num_params = registry.count_parameters(model)
     seed_everything(cfg.train.seed, rank)

@@ -190,9 +190,6 @@ def compatibility_problems(meta: dict, cfg, model_shapes: Dict[str, list], data_
         problems.append(f"the checkpoint is in {saved_format} format (saved by strategy={meta.get('strategy')}) and "
                         f"strategy={cfg.strategy.name} reads {checkpoint_format}; resume with a strategy of that "
                         f"format, or export it (python -m trainer.export) and start from model=hf")
-    elif saved_format == "deepspeed" and meta.get("dp_size") != dp_size:
-        problems.append(f"the DeepSpeed checkpoint was saved at data-parallel size {meta.get('dp_size')} and this "
-                        f"run has {dp_size}; resuming ZeRO checkpoints at another size is not supported yet")
     if weights_only:
         return problems
     hint = " (or set checkpoint.load_weights_only=true to start a new run from its weights)"

@@ -13,6 +13,7 @@ import time
 import numpy as np
 import torch
 
+from trainer.memory import log_memory, watch_first_step
 from trainer.metrics import Throughput, device_peak_tflops, flops_per_token, peak_memory_gib
 
 
@@ -27,6 +28,7 @@ def fit(run) -> None:
     if cfg.eval.at_start and run.step == 0:
         run.logger.eval_record(0, evaluate(run))
     strategy.model.train()
+    first = watch_first_step(run)  # probes the first step's model-state memory (trainer/memory.py)
     while run.step < t.max_steps:
         k = run.step
         global_batch = run.sampler.global_batch(k)
@@ -66,6 +68,8 @@ def fit(run) -> None:
         else:
             record = None
         run.logger.advance(run.step, record)
+        if first:  # all ranks: gather, log one line, write memory.json
+            first = log_memory(run)
 
         run.checkpointer.poll()
         if run.stop.agreed(run.device):

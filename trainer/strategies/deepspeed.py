@@ -241,18 +241,71 @@ class DeepSpeedStrategy(Strategy):
         return []  # DeepSpeed's checkpoint carries its optimizer's param groups itself
 
     def save_checkpoint_state(self, folder: str, group, async_save: bool):
-        self.engine.save_checkpoint(folder, tag="zero", client_state={}, save_latest=False)
+        # universal_checkpoint_info lets ds_to_universal convert this checkpoint for another data-parallel size
+        # (plain data parallelism: no tensor-parallel merge patterns).
+        self.engine.save_checkpoint(folder, tag="zero", save_latest=False,
+                                    client_state={"universal_checkpoint_info": {"universal_checkpoint_version": 0.2}})
         return None
 
     def load_checkpoint_from(self, folder: str, group, weights_only: bool, param_groups) -> None:
-        load_path, _ = self.engine.load_checkpoint(folder, tag="zero", load_module_strict=True,
-                                                   load_optimizer_states=not weights_only,
-                                                   load_lr_scheduler_states=False,
-                                                   load_module_only=weights_only)
-        if load_path is None:
-            from trainer.checkpoint import CheckpointError
+        from trainer.checkpoint import CheckpointError, read_meta
 
+        saved_dp = read_meta(folder).get("dp_size", self.dp_size)
+        load_dir = folder
+        if saved_dp != self.dp_size:
+            # Another data-parallel size: convert to DeepSpeed's universal checkpoint (every parameter and its
+            # optimizer state whole, per parameter) and let each rank take its new partition from it.
+            load_dir = self._universal_copy(folder)
+            self.engine._config.load_universal_checkpoint = True
+        groups_before = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")}
+                         for g in self.optimizer.param_groups]
+        try:
+            load_path, _ = self.engine.load_checkpoint(load_dir, tag="zero", load_module_strict=True,
+                                                       load_optimizer_states=not weights_only,
+                                                       load_lr_scheduler_states=False,
+                                                       load_module_only=weights_only)
+        finally:
+            self.engine._config.load_universal_checkpoint = False
+        if load_dir != folder:
+            # DeepSpeed's ZeRO-3 universal loader copies the first param group's hyper-parameters into every
+            # group; Tessera's groups differ (no weight decay on 1-D parameters), so put theirs back.
+            for group, before in zip(self.optimizer.param_groups, groups_before):
+                group.update(before)
+            # It also gives every parameter group one shared `step` tensor, which Adam then advances once per
+            # group on each step (wrong bias correction): give each state its own.
+            for state in self.optimizer.state.values():
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].clone()
+        if load_path is None:
             raise CheckpointError(f"DeepSpeed could not load the checkpoint in {folder}")
+
+    def _universal_copy(self, folder: str) -> str:
+        """Convert `folder` once (the first rank to take the lock converts, the others wait on the file lock,
+        not in a collective) into <run dir>/checkpoints/.universal-<name>; returns that folder."""
+        import argparse
+        import contextlib
+        import io
+
+        from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+        from trainer.data.store import _locked
+
+        out = os.path.join(self.run_dir, "checkpoints", f".universal-{os.path.basename(folder.rstrip('/'))}")
+        done = os.path.join(out, "CONVERTED")
+        with _locked(out + ".lock"):
+            if not os.path.exists(done):
+                import shutil
+
+                shutil.rmtree(out, ignore_errors=True)
+                args = argparse.Namespace(input_folder=os.path.join(folder, "zero"),
+                                          output_folder=os.path.join(out, "zero"), num_extract_workers=1,
+                                          num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                          inject_missing_state=False)
+                with contextlib.redirect_stdout(io.StringIO()):  # its progress chatter
+                    ds_to_universal(args)
+                with open(done, "w") as fh:
+                    fh.write("ok\n")
+        return out
 
     def export_hf(self, out_dir: str, tokenizer) -> None:
         from trainer.strategies.base import write_hf_folder
@@ -264,6 +317,8 @@ class DeepSpeedStrategy(Strategy):
         if dist.get_rank() == 0:
             write_hf_folder(self.unwrapped(), tokenizer, out_dir, state_dict=state)
         dist.barrier()
+
+    run_dir = "."  # set by the builder: where universal conversions of old checkpoints go
 
     def close(self) -> None:
         super().close()
