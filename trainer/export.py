@@ -34,6 +34,9 @@ def export_checkpoint(checkpoint: str, out_dir: str) -> str:
     hf_dir = os.path.join(path, "hf_config")
     config = AutoConfig.from_pretrained(hf_dir)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    if meta.get("checkpoint_format") == "deepspeed":
+        _export_deepspeed(path, config, tokenizer, out_dir)
+        return path
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     model = model.to_empty(device="cpu")
@@ -49,6 +52,29 @@ def export_checkpoint(checkpoint: str, out_dir: str) -> str:
     model.tie_weights()
     write_hf_folder(model, tokenizer, out_dir)
     return path
+
+
+def _export_deepspeed(path: str, config, tokenizer, out_dir: str) -> None:
+    """ZeRO shards -> HF folder, one parameter at a time (DeepSpeed's lazy fp32 reconstruction), so the full
+    fp32 model is never held at once. DeepSpeed's own files are pickles: export only checkpoints you trust."""
+    import contextlib
+    import io
+
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from trainer.strategies.base import write_hf_folder_streaming
+
+    with contextlib.redirect_stdout(io.StringIO()):  # its progress chatter
+        lazy = get_fp32_state_dict_from_zero_checkpoint(path, tag="zero", lazy_mode=True)
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    dtype = getattr(__import__("torch"), str(dtype).replace("torch.", "")) if dtype else None
+
+    def tensors():
+        for name, value in lazy.items():
+            t = value.contiguous()
+            yield name, t.to(dtype) if dtype is not None and t.is_floating_point() else t
+
+    write_hf_folder_streaming(config, tokenizer, out_dir, tensors(), writer=True)
 
 
 def main(argv=None) -> int:

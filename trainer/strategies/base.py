@@ -192,6 +192,62 @@ def _tensors_only(tree):
     return tree
 
 
+def write_hf_folder_streaming(config, tokenizer, out_dir: str, named_tensors, writer: bool,
+                              max_shard_bytes: int = 2 << 30) -> None:
+    """An HF model folder written one tensor at a time: `named_tensors` yields (name, tensor) on every rank
+    (its iteration may be collective, e.g. gathering one sharded parameter at a time); the writer rank keeps at
+    most one shard (`max_shard_bytes`) in memory, so no rank ever holds the whole model. Atomic like
+    write_hf_folder."""
+    import json
+
+    from safetensors.torch import save_file
+
+    out_dir = os.path.abspath(out_dir)
+    tmp, old = out_dir + ".tmp", out_dir + ".old"
+    if writer:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    shard, shard_bytes, files, weight_map, total = {}, 0, [], {}, 0
+
+    def flush():
+        nonlocal shard, shard_bytes
+        if shard:
+            name = f"shard-{len(files):05d}.safetensors"
+            save_file(shard, os.path.join(tmp, name), metadata={"format": "pt"})
+            files.append(name)
+            weight_map.update({k: name for k in shard})
+        shard, shard_bytes = {}, 0
+
+    for name, tensor in named_tensors:
+        if not writer:
+            continue
+        nbytes = tensor.numel() * tensor.element_size()
+        if shard and shard_bytes + nbytes > max_shard_bytes:
+            flush()
+        shard[name] = tensor.detach().to("cpu", copy=True).contiguous()
+        shard_bytes += nbytes
+        total += nbytes
+    if not writer:
+        return
+    flush()
+    if len(files) == 1:
+        os.rename(os.path.join(tmp, files[0]), os.path.join(tmp, "model.safetensors"))
+    else:
+        final = {f: f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i, f in enumerate(files)}
+        for f, g in final.items():
+            os.rename(os.path.join(tmp, f), os.path.join(tmp, g))
+        with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as fh:
+            json.dump({"metadata": {"total_size": total}, "weight_map": {k: final[v] for k, v in weight_map.items()}},
+                      fh, indent=1)
+    config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if os.path.exists(out_dir):
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(out_dir, old)
+    os.rename(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def write_hf_folder(model, tokenizer, out_dir: str, state_dict=None) -> None:
     out_dir = os.path.abspath(out_dir)
     tmp, old = out_dir + ".tmp", out_dir + ".old"

@@ -308,15 +308,28 @@ class DeepSpeedStrategy(Strategy):
         return out
 
     def export_hf(self, out_dir: str, tokenizer) -> None:
-        from trainer.strategies.base import write_hf_folder
+        from trainer.strategies.base import write_hf_folder, write_hf_folder_streaming
 
+        rank0 = dist.get_rank() == 0
         if self.cfg.strategy.zero_stage == 3:
-            state = self.engine._zero3_consolidated_16bit_state_dict()  # full tensors on rank 0 only
-        else:
-            state = None
-        if dist.get_rank() == 0:
-            write_hf_folder(self.unwrapped(), tokenizer, out_dir, state_dict=state)
+            # Gather one parameter at a time; rank 0 writes shards as they fill: no rank holds the whole model.
+            write_hf_folder_streaming(self.unwrapped().config, tokenizer, out_dir, self._gathered_tensors(), rank0)
+        elif rank0:
+            write_hf_folder(self.unwrapped(), tokenizer, out_dir)
         dist.barrier()
+
+    def _gathered_tensors(self):
+        import deepspeed
+
+        model = self.unwrapped()
+        # Tied weights are one Parameter: named_parameters lists it once, as HF's save_pretrained does.
+        for name, param in model.named_parameters():
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                yield name, param.data
+        param_names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        for name, tensor in model.state_dict().items():  # persistent buffers (never partitioned)
+            if name not in param_names:
+                yield name, tensor
 
     run_dir = "."  # set by the builder: where universal conversions of old checkpoints go
 
