@@ -221,4 +221,5 @@ def tensor_shapes(info: ModelInfo) -> dict:
 
 
 def count_parameters(model) -> int:
-    return sum(p.numel() for p in model.parameters())
+    """All parameters, also when each rank holds only a partition (DeepSpeed's ds_numel is the full size)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())

@@ -163,7 +163,8 @@ def build(p: Prepared) -> Run:
     precision = Precision(cfg, device)
     strategy = p.strategy_cls(cfg, p.dims, device, precision)
     strategy.run_dir = p.run_dir
-    model = registry.build(cfg.model, p.model_info, cfg.train.seed)
+    with strategy.model_construction(pretrained=registry.get_spec(cfg.model.kind).pretrained):
+        model = registry.build(cfg.model, p.model_info, cfg.train.seed)
     num_params = registry.count_parameters(model)
     seed_everything(cfg.train.seed, rank)
     strategy.setup(model, lambda named: build_optimizer(cfg, named))

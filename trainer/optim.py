@@ -12,7 +12,8 @@ def param_groups(named_params, weight_decay: float):
     for _, p in named_params:
         if not p.requires_grad:
             continue
-        (decay if p.dim() >= 2 else no_decay).append(p)
+        shape = getattr(p, "ds_shape", p.shape)  # a ZeRO-3 partition is 1-D; its full shape says what it is
+        (decay if len(shape) >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
 

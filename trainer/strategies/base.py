@@ -59,6 +59,11 @@ class Strategy:
         return self.dims.dp_size
 
     # ---- setup ----------------------------------------------------------------------------------------
+    def model_construction(self, pretrained: bool):
+        """Context in which the model is built (and pretrained weights loaded); sharding strategies make each
+        rank hold only its part from the start."""
+        return nullcontext()
+
     def setup(self, model, build_optimizer):
         """Parallelize `model`, create its optimizer with `build_optimizer(named_parameters)`."""
         raise NotImplementedError

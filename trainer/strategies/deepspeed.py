@@ -196,6 +196,23 @@ class DeepSpeedStrategy(Strategy):
                 problems += e.problems
         return problems
 
+    def model_construction(self, pretrained: bool):
+        """ZeRO-3 with pretrained weights: build under DeepSpeed's partitioned init through transformers'
+        DeepSpeed integration, which loads the weights into the partitions: each rank holds its partition plus
+        the module being loaded, never the whole model. Presets (random init) are built whole and partitioned
+        by deepspeed.initialize, so that their initial weights are bit-identical to every other strategy's."""
+        import contextlib
+
+        if self.cfg.strategy.zero_stage != 3 or not pretrained:
+            return contextlib.nullcontext()
+        import deepspeed
+        from transformers.integrations.deepspeed import HfDeepSpeedConfig
+
+        deepspeed.init_distributed()  # adopts the process group, so DeepSpeed's config sees the world size
+        self.ds_config, _ = build_ds_config(self.cfg, self.dp_size)
+        self._hf_ds_config = HfDeepSpeedConfig(self.ds_config)  # transformers keeps only a weak reference
+        return contextlib.nullcontext()
+
     def setup(self, model, build_optimizer):
         import deepspeed
 
@@ -336,3 +353,4 @@ class DeepSpeedStrategy(Strategy):
     def close(self) -> None:
         super().close()
         self.engine = None
+        self._hf_ds_config = None
