@@ -138,3 +138,27 @@ def test_launch_sh_uses_the_deepspeed_launcher(tmp_path):
     ok(proc)
     out = proc.stdout + proc.stderr
     assert "deepspeed.launcher.launch" in out and "strategy zero2 world 2" in out
+
+
+def test_zero3_loads_pretrained_weights_partitioned(shared_data, tmp_path):
+    """model=hf under ZeRO-3 is built and loaded partitioned: the same numbers as one process, and each rank's
+    parameters hold about half the model."""
+    import json
+
+    common = ["model=hf", f"model.name_or_path={shared_data / 'models' / 'stories260K-hf'}", "data=text",
+              f"data.path={shared_data / 'datasets' / 'tinyshakespeare.txt'}", "data.seq_len=64",
+              "scheduler.warmup_steps=1", "logging.progress=false", "train.max_steps=5", "train.log_every=1",
+              "train.global_batch_size=8", "train.micro_batch_size=2", "eval.every=0", "eval.at_end=false",
+              "export.hf_at_end=false", "checkpoint.at_end=false"]
+    ok(launch("python", common + ["strategy=single"], tmp_path / "single"))
+    proc = launch("deepspeed", common + ["strategy=zero3", "strategy.stage3_param_persistence_threshold=0"],
+                  tmp_path / "zero3", nproc=2)
+    ok(proc)
+    loss_err, norm_err = _max_errors(metrics(tmp_path / "zero3"), metrics(tmp_path / "single"))
+    print(f"zero3 pretrained ws2: max relative loss error {loss_err:.2e}, grad-norm error {norm_err:.2e}")
+    assert loss_err < 1e-4 and norm_err < 1e-4
+    memory = json.loads((tmp_path / "zero3" / "memory.json").read_text())
+    full = memory["num_params"] * 4
+    assert memory["num_params"] == 292_800
+    for rank in memory["ranks"]:
+        assert rank["master_params"] <= 0.55 * full, rank  # each rank's fp32 partition: half the model
