@@ -6,8 +6,8 @@
   views into; ZeRO-3: this rank's partitions `p.ds_tensor` plus any parameter that is whole, such as the
   persistent small ones below `stage3_param_persistence_threshold`);
 * master_params: fp32 master copies, where the strategy keeps them apart from the parameters (ZeRO's
-  `single_partition_of_fp32_groups` / `fp32_partitioned_groups_flat`; none for single/ddp, whose parameters
-  are fp32 themselves, nor where ZeRO-3's fp32 partitions alias the parameters);
+  `single_partition_of_fp32_groups` / `fp32_partitioned_groups_flat`, also in fp32 training; none for
+  single/ddp, whose parameters are fp32 themselves);
 * optimizer: the tensors in the optimizer's `state` (AdamW: exp_avg, exp_avg_sq and the `step` scalars);
 * grads: gradients wherever they live: `.grad` of the parameters and of the fp32 partitions, ZeRO's gradient
   partitions (`averaged_gradients`, `grads_in_partition`, ZeRO-3's `grad_partitions_flat_buffer`) and the
@@ -48,7 +48,10 @@ MODEL_STATES = ("params", "grads", "optimizer", "master_params")  # what the ZeR
 # Counting storages
 # ---------------------------------------------------------------------------------------------------------------
 def _storage(t: torch.Tensor):
-    """(key, nbytes) of the tensor's storage, or (None, 0) for meta / empty storages."""
+    """(key, nbytes) of the tensor's storage, or (None, 0) for meta / empty storages. A DTensor counts its local
+    shard."""
+    if hasattr(t, "to_local"):
+        t = t.to_local()
     if t.device.type == "meta":
         return None, 0
     s = t.untyped_storage()
@@ -183,9 +186,13 @@ def _measure_deepspeed(engine, tally: _Tally) -> None:
         tally.add("params", p, "parameters")
         tally.add("params", getattr(p, "ds_tensor", None), "ds_tensor partitions")
     for name in ("bit16_groups_flat", "lp_param_buffer", "fp16_partitioned_groups_flat",
-                 "param_groups_fp16_flat_cpu_memory", "param_buffer_of_bit16_for_cpu_offload_groups"):
+                 "param_groups_fp16_flat_cpu_memory"):
         tally.add_all("params", getattr(zo, name, None), name)
-    # fp32 masters (ZeRO-3 in fp32 aliases them to the parameters: already counted there).
+    # ZeRO-1/2 offload: a bit16 staging copy of the partition on the CPU.
+    tally.add_all("buffers", getattr(zo, "param_buffer_of_bit16_for_cpu_offload_groups", None),
+                  "param_buffer_of_bit16_for_cpu_offload_groups")
+    # fp32 masters. Where they are the parameters' own storage (ZeRO-3 means to alias them in fp32, but its check
+    # compares a torch.device to a string and so makes a copy anyway) they were counted as params above.
     masters = getattr(zo, "single_partition_of_fp32_groups", None)
     if masters is None:
         masters = getattr(zo, "fp32_partitioned_groups_flat", None)
@@ -289,10 +296,15 @@ class _Probe:
     def __init__(self, strategy):
         self.strategy = strategy
         self.snapshots: Dict[str, dict] = {}
+        self.errors: List[str] = []
         self.undo = []
 
     def snap(self, point: str) -> None:
-        m = measure_model_states(self.strategy)
+        try:  # runs inside the optimizer step: a failure to measure must never fail training
+            m = measure_model_states(self.strategy)
+        except Exception as e:
+            self.errors.append(f"{point}: {type(e).__name__}: {e}")
+            return
         if point not in self.snapshots or m["total"] > self.snapshots[point]["total"]:
             self.snapshots[point] = m
 
@@ -359,8 +371,8 @@ def log_memory(run) -> bool:
     probe.close()
     probe.snap("after_step")
     mine = dict(_peaks(probe.snapshots), rank=dist.get_rank() if dist.is_initialized() else 0,
-                points=probe.snapshots)
-    ranks = gather_memory(strategy, mine)
+                points=probe.snapshots, errors=probe.errors)
+    ranks = gather_memory(strategy, mine)  # every rank gets here, also when its measurements failed
     if not dist.is_initialized() or dist.get_rank() == 0:
         world = dist.get_world_size() if dist.is_initialized() else 1
         result = {"world_size": world, "dp_size": strategy.dp_size, "strategy": run.cfg.strategy.name,
@@ -372,6 +384,9 @@ def log_memory(run) -> bool:
             json.dump(result, fh, indent=1)
         os.replace(path + ".tmp", path)
         top = {c: max(r[c] for r in ranks) for c in (*CATEGORIES, "model_states")}
+        errors = [f"rank {r['rank']}: {e}" for r in ranks for e in r["errors"]]
+        if errors:
+            run.logger.info(f"warning: model-state memory not measured everywhere ({'; '.join(errors[:4])})")
         run.logger.info(f"model-state memory per rank (MiB, max over {world} ranks, peaks in step {run.step}): "
                         f"params {_mib(top['params'])} | grads {_mib(top['grads'])} | optimizer "
                         f"{_mib(top['optimizer'])} | fp32 master {_mib(top['master_params'])} | model states "
