@@ -19,7 +19,7 @@ CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 GROUPS = {
     "model": ["tiny", "llama_10m", "llama_100m", "gpt2_10m", "gpt2_100m", "hf"],
     "data": ["default", "text", "hub", "sft"],
-    "strategy": ["single", "ddp"],
+    "strategy": ["single", "ddp", "zero1", "zero2", "zero3", "zero3_offload"],
     "optim": ["adamw", "sgd"],
     "scheduler": ["constant", "linear", "cosine"],
     "precision": ["fp32", "bf16", "fp16"],
