@@ -80,6 +80,11 @@ def test_every_group_option_composes(compose, group, option):
         ("data", "sft"): lambda c: c.data.kind == "sft",
         ("strategy", "single"): lambda c: c.strategy.name == "single",
         ("strategy", "ddp"): lambda c: c.strategy.name == "ddp",
+        ("strategy", "zero1"): lambda c: c.strategy.name == "zero1" and c.strategy.zero_stage == 1,
+        ("strategy", "zero2"): lambda c: c.strategy.name == "zero2" and c.strategy.zero_stage == 2,
+        ("strategy", "zero3"): lambda c: c.strategy.name == "zero3" and c.strategy.zero_stage == 3,
+        ("strategy", "zero3_offload"): lambda c: (c.strategy.zero_stage == 3 and c.strategy.offload_optimizer == "cpu"
+                                                  and c.strategy.offload_param == "cpu"),
         ("optim", "adamw"): lambda c: c.optim.name == "adamw",
         ("optim", "sgd"): lambda c: c.optim.name == "sgd" and c.optim.lr == 0.01 and c.optim.weight_decay == 0.0,
         ("scheduler", "constant"): lambda c: c.scheduler.name == "constant",
