@@ -208,7 +208,7 @@ def write_hf_folder_streaming(config, tokenizer, out_dir: str, named_tensors, wr
     from safetensors.torch import save_file
 
     out_dir = os.path.abspath(out_dir)
-    tmp, old = out_dir + ".tmp", out_dir + ".old"
+    tmp = out_dir + ".tmp"
     if writer:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
@@ -246,19 +246,21 @@ def write_hf_folder_streaming(config, tokenizer, out_dir: str, named_tensors, wr
                       fh, indent=1)
     config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    if os.path.exists(out_dir):
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(out_dir, old)
-    os.rename(tmp, out_dir)
-    shutil.rmtree(old, ignore_errors=True)
+    _replace_folder(tmp, out_dir)
 
 
 def write_hf_folder(model, tokenizer, out_dir: str, state_dict=None) -> None:
     out_dir = os.path.abspath(out_dir)
-    tmp, old = out_dir + ".tmp", out_dir + ".old"
+    tmp = out_dir + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
     tokenizer.save_pretrained(tmp)
+    _replace_folder(tmp, out_dir)
+
+
+def _replace_folder(tmp: str, out_dir: str) -> None:
+    """Move a finished folder into place: an earlier export stays whole until the new one is complete."""
+    old = out_dir + ".old"
     if os.path.exists(out_dir):
         shutil.rmtree(old, ignore_errors=True)
         os.rename(out_dir, old)
