@@ -9,7 +9,7 @@ import datetime
 import os
 import socket
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List
 
 import torch
 import torch.distributed as dist
@@ -173,6 +173,6 @@ def is_rank0() -> bool:
     return (dist.get_rank() if dist.is_initialized() else env_rank()) == 0
 
 
-def barrier(device: Optional[torch.device] = None) -> None:
+def barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()

@@ -107,18 +107,13 @@ def build_ds_config(cfg, dp_size: int) -> tuple:
             continue
         if key not in zero or _is_auto(zero[key]):
             zero[key] = int(ours)
-    if offload_opt != "none":
-        zero["offload_optimizer"] = dict(zero.get("offload_optimizer", {}), device=offload_opt)
-        if offload_opt == "nvme":
-            zero["offload_optimizer"].setdefault("nvme_path", s.nvme_path)
-    else:
-        zero.pop("offload_optimizer", None)
-    if offload_param != "none":
-        zero["offload_param"] = dict(zero.get("offload_param", {}), device=offload_param)
-        if offload_param == "nvme":
-            zero["offload_param"].setdefault("nvme_path", s.nvme_path)
-    else:
-        zero.pop("offload_param", None)
+    for key, device in (("offload_optimizer", offload_opt), ("offload_param", offload_param)):
+        if device == "none":
+            zero.pop(key, None)
+            continue
+        zero[key] = dict(zero.get(key, {}), device=device)
+        if device == "nvme":
+            zero[key].setdefault("nvme_path", s.nvme_path)
     if offload_param != "none" and stage != 3:
         problems.append(f"parameter offload (strategy.offload_param={offload_param}) needs ZeRO stage 3; use "
                         f"strategy=zero3 or zero3_offload")
@@ -245,10 +240,6 @@ class DeepSpeedStrategy(Strategy):
         return norm, skipped
 
     _skipped_seen = 0
-
-    @torch.no_grad()
-    def eval_loss_sum(self, micro_batches):
-        return super().eval_loss_sum(micro_batches)
 
     def unwrapped(self):
         return self.engine.module
