@@ -185,10 +185,15 @@ def model_problems(cfg, info: ModelInfo, tokenizer) -> list:
     return problems
 
 
-def build(m, info: ModelInfo, seed: int, device: torch.device | str = "cpu", dtype=torch.float32):
-    """Build the model. Presets: random init from `seed` on CPU first, so the initial weights are identical
-    whatever the strategy, world size or device. Pretrained: weights from `name_or_path`."""
+def build(m, info: ModelInfo, seed: int | None = None, device: torch.device | str | None = None,
+          dtype=torch.float32):
+    """Build the model in the caller's construction context (plain, meta device, DeepSpeed's partitioned init).
+    Pretrained: weights from `name_or_path`. Presets with `seed`: the seeded initial weights of models/init.py,
+    identical whatever the strategy, world size or device; without `seed` whatever construction leaves, for a
+    strategy to write the seeded weights into its own layout. The global RNG is left as it was."""
     from transformers import AutoModelForCausalLM
+
+    from models.init import copy_full_tensors, initial_weights
 
     spec = get_spec(m.kind)
     kwargs = {}
@@ -203,20 +208,20 @@ def build(m, info: ModelInfo, seed: int, device: torch.device | str = "cpu", dty
             raise ModelError("model.name_or_path: " + _load_message("model weights", m.name_or_path, e)) from None
     else:
         cpu_rng = torch.random.get_rng_state()
-        torch.manual_seed(seed)
         try:
             model = AutoModelForCausalLM.from_config(info.hf_config, dtype=dtype, **kwargs)
         finally:
             torch.random.set_rng_state(cpu_rng)
-    return model.to(device)
+        if seed is not None:
+            copy_full_tensors(model, initial_weights(info.hf_config, seed))
+    return model if device is None else model.to(device)
 
 
 def tensor_shapes(info: ModelInfo) -> dict:
     """{name: shape} of the model's state dict, from a model built on the meta device (no memory, no init)."""
-    from transformers import AutoModelForCausalLM
+    from models.init import meta_model
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(info.hf_config)
+    model = meta_model(info.hf_config)
     return {k: list(v.shape) for k, v in model.state_dict().items()}
 
 

@@ -19,12 +19,14 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from models import registry
+from models.init import initial_weights
 from trainer import checkpoint as ckpt
 from trainer import config as C
 from trainer import parallel
 from trainer.data.datasets import DataSplits, build_data
 from trainer.data.sampler import GlobalBatchSampler
 from trainer.errors import ConfigError, ModelError, TesseraError
+from trainer.memory import parameter_bytes
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.precision import Precision
@@ -141,6 +143,7 @@ class Run:
     num_params: int
     model_shapes: dict = field(default_factory=dict)
     model_desc: str = ""
+    built_param_bytes: int = 0
     step: int = 0
     tokens_seen: int = 0
     skipped_steps: int = 0
@@ -163,11 +166,14 @@ def build(p: Prepared) -> Run:
     precision = Precision(cfg, device)
     strategy = p.strategy_cls(cfg, p.dims, device, precision)
     strategy.run_dir = p.run_dir
-    with strategy.model_construction(pretrained=registry.get_spec(cfg.model.kind).pretrained):
-        model = registry.build(cfg.model, p.model_info, cfg.train.seed)
+    pretrained = registry.get_spec(cfg.model.kind).pretrained
+    with strategy.model_construction(pretrained=pretrained):
+        model = registry.build(cfg.model, p.model_info)
     num_params = registry.count_parameters(model)
+    built_param_bytes = parameter_bytes(model)  # ZeRO-3 / FSDP: this rank's part only (memory.json)
     seed_everything(cfg.train.seed, rank)
-    strategy.setup(model, lambda named: build_optimizer(cfg, named))
+    initial = None if pretrained else initial_weights(p.model_info.hf_config, cfg.train.seed)
+    strategy.setup(model, lambda named: build_optimizer(cfg, named), initial)
     scheduler = build_scheduler(cfg, strategy.optimizer)
     is0 = rank == 0
     if is0:
@@ -185,7 +191,7 @@ def build(p: Prepared) -> Run:
     sampler = GlobalBatchSampler(len(p.data.train), cfg.train.global_batch_size, cfg.train.seed)
     desc = f"{cfg.model.kind}:{cfg.model.name_or_path or 'preset'} {num_params / 1e6:.2f}M params"
     run = Run(cfg, p.run_dir, strategy, p.data, sampler, scheduler, p.tokenizer, p.model_info, logger, device,
-              accum, num_params, model_shapes=p.model_shapes, model_desc=desc)
+              accum, num_params, model_shapes=p.model_shapes, model_desc=desc, built_param_bytes=built_param_bytes)
     run.checkpointer = ckpt.CheckpointManager(run)
     if p.resume_path:
         run.checkpointer.load(p.resume_path, weights_only=cfg.checkpoint.load_weights_only)

@@ -27,7 +27,8 @@ only its flat gradient-partition buffer). So the trainer measures at several poi
 when the buckets hold this step's gradients), inside the optimizer step (a post-hook of the torch optimizer:
 gradients and the new optimizer state both exist; ZeRO steps it once per parameter group), and after the step.
 `log_memory` gathers the per-category peaks over those points from every rank, logs one line on rank 0 and
-writes `<run dir>/memory.json`.
+writes `<run dir>/memory.json`; each rank's entry also has `built_params`, the parameter bytes it held right
+after model construction (ZeRO-3 and FSDP: its partition, not the whole model).
 """
 from __future__ import annotations
 
@@ -276,6 +277,16 @@ def measure_model_states(strategy) -> dict:
     return tally.result()
 
 
+def parameter_bytes(module) -> int:
+    """Bytes of the parameters this rank holds now: ZeRO-3 partitions, DTensor shards, nothing for meta
+    tensors. Measured right after model construction, it shows whether a rank ever held the whole model."""
+    tally = _Tally()
+    for p in _unique_params(module):
+        tally.add("params", getattr(p, "ds_tensor", None), "ds_tensor partitions")
+        tally.add("params", p, "parameters")
+    return tally.bytes["params"]
+
+
 def gather_memory(strategy, mine: Optional[dict] = None) -> List[dict]:
     """Every rank's dict (default: `measure_model_states(strategy)`), on every rank; [mine] without a process
     group. A collective: all ranks must call it."""
@@ -371,7 +382,7 @@ def log_memory(run) -> bool:
     probe.close()
     probe.snap("after_step")
     mine = dict(_peaks(probe.snapshots), rank=dist.get_rank() if dist.is_initialized() else 0,
-                points=probe.snapshots, errors=probe.errors)
+                points=probe.snapshots, errors=probe.errors, built_params=run.built_param_bytes)
     ranks = gather_memory(strategy, mine)  # every rank gets here, also when its measurements failed
     if not dist.is_initialized() or dist.get_rank() == 0:
         world = dist.get_world_size() if dist.is_initialized() else 1

@@ -59,6 +59,17 @@ def test_zero3_partitions_the_parameters(memory):
         assert rel_err(got, psi * 2) < 0.10, (got, psi)  # ZeRO-2 keeps every bf16 parameter on every rank
 
 
+def test_zero3_builds_presets_partitioned(memory):
+    """Parameters held right after construction: ZeRO-3 builds under partitioned init (each rank its half of
+    the parameters, already in bf16), everything else builds the whole fp32 model."""
+    psi = memory["single"]["num_params"]
+    for r in memory["zero3"]["ranks"]:
+        assert rel_err(r["built_params"], 2 * psi / 2) < 0.05, (r["built_params"], psi)
+    for name in ("single", "zero2"):
+        for r in memory[name]["ranks"]:
+            assert r["built_params"] == 4 * psi, (name, r["built_params"], psi)
+
+
 def test_zero2_and_zero3_shard_the_optimizer_state(memory):
     (single,) = _after(memory["single"], "optimizer")  # AdamW's two fp32 moments of every parameter
     psi = memory["single"]["num_params"]

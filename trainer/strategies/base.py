@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from models.init import copy_full_tensors
 from trainer.data.datasets import IGNORE
 
 
@@ -64,9 +65,17 @@ class Strategy:
         rank hold only its part from the start."""
         return nullcontext()
 
-    def setup(self, model, build_optimizer):
-        """Parallelize `model`, create its optimizer with `build_optimizer(named_parameters)`."""
+    def setup(self, model, build_optimizer, initial_weights=None):
+        """Parallelize `model`, write `initial_weights` into it (preset models: an iterable of
+        {name: full tensor} per init unit, see models/init.py; None for pretrained weights, already loaded), and
+        create its optimizer with `build_optimizer(named_parameters)`."""
         raise NotImplementedError
+
+    def load_initial_weights(self, model, initial_weights) -> None:
+        """Write full tensors into a model that each rank holds whole; sharding strategies override this to
+        write only their shards."""
+        if initial_weights is not None:
+            copy_full_tensors(model, initial_weights)
 
     def unwrapped(self):
         """The plain Hugging Face model (its parameters may be sharded in other strategies)."""

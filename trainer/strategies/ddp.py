@@ -21,7 +21,8 @@ class DDPStrategy(Strategy):
     name = "ddp"
     degrees = frozenset({"dp_replicate"})
 
-    def setup(self, model, build_optimizer):
+    def setup(self, model, build_optimizer, initial_weights=None):
+        self.load_initial_weights(model, initial_weights)
         model = model.to(self.device)
         s = self.cfg.strategy
         self.ddp = DDP(model, device_ids=[self.device] if self.device.type == "cuda" else None,

@@ -192,13 +192,13 @@ class DeepSpeedStrategy(Strategy):
         return problems
 
     def model_construction(self, pretrained: bool):
-        """ZeRO-3 with pretrained weights: build under DeepSpeed's partitioned init through transformers'
-        DeepSpeed integration, which loads the weights into the partitions: each rank holds its partition plus
-        the module being loaded, never the whole model. Presets (random init) are built whole and partitioned
-        by deepspeed.initialize, so that their initial weights are bit-identical to every other strategy's."""
+        """ZeRO-3: build under DeepSpeed's partitioned init through transformers' DeepSpeed integration, which
+        loads pretrained weights into the partitions: each rank holds its partition plus the module being
+        loaded, never the whole model. Presets get their seeded weights one init unit at a time afterwards
+        (load_initial_weights), bit-identical to every other strategy's."""
         import contextlib
 
-        if self.cfg.strategy.zero_stage != 3 or not pretrained:
+        if self.cfg.strategy.zero_stage != 3:
             return contextlib.nullcontext()
         import deepspeed
         from transformers.integrations.deepspeed import HfDeepSpeedConfig
@@ -208,10 +208,11 @@ class DeepSpeedStrategy(Strategy):
         self._hf_ds_config = HfDeepSpeedConfig(self.ds_config)  # transformers keeps only a weak reference
         return contextlib.nullcontext()
 
-    def setup(self, model, build_optimizer):
+    def setup(self, model, build_optimizer, initial_weights=None):
         import deepspeed
 
         self.ds_config, _ = build_ds_config(self.cfg, self.dp_size)
+        self.load_initial_weights(model, initial_weights)
         model = model.to(self.device)
         optimizer = build_optimizer(model.named_parameters())
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config)
@@ -219,6 +220,22 @@ class DeepSpeedStrategy(Strategy):
         # Tessera's lr schedule drives the param groups of the client optimizer, which ZeRO steps.
         self.optimizer = optimizer
         return self.model, self.optimizer
+
+    @torch.no_grad()
+    def load_initial_weights(self, model, initial_weights) -> None:
+        if initial_weights is None or self.cfg.strategy.zero_stage != 3:
+            return super().load_initial_weights(model, initial_weights)
+        import deepspeed
+
+        from models.init import named_tensors
+
+        targets = named_tensors(model)
+        for values in initial_weights:
+            # One unit gathered at a time; every rank computes the same values, rank 0's are kept.
+            params = [targets[n] for n in values if hasattr(targets[n], "ds_id")]
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+                for name, value in values.items():
+                    targets[name].data.copy_(value)
 
     def forward_backward(self, micro_batches, num_target_tokens: int) -> torch.Tensor:
         total = torch.zeros((), device=self.device)

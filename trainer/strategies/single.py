@@ -17,7 +17,8 @@ class SingleStrategy(Strategy):
                             f"strategy=ddp (or another parallel strategy), or start one process")
         return problems
 
-    def setup(self, model, build_optimizer):
+    def setup(self, model, build_optimizer, initial_weights=None):
+        self.load_initial_weights(model, initial_weights)
         self.model = model.to(self.device)
         self.optimizer = build_optimizer(self.model.named_parameters())
         return self.model, self.optimizer

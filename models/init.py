@@ -1,0 +1,139 @@
+"""Seeded initial weights that do not depend on how (or where) the model is built.
+
+A preset's initial weights come from a meta-device copy of the model, one *init unit* at a time: each decoder
+block (the classes in the model's `_no_split_modules`) is a unit, and everything outside the blocks
+(embeddings, final norm, head, rotary tables) is one more. A unit is materialized on CPU in fp32, the global
+RNG is seeded from (seed, unit name), and Hugging Face's own `_init_weights` runs over it children first, as
+`from_config` would. The values therefore depend only on the seed and the unit, never on construction order,
+world size, partitioning or device, and no more than one unit is ever materialized at a time: strategies that
+shard (ZeRO-3, FSDP) write each unit into their shards and drop it.
+"""
+from __future__ import annotations
+
+import zlib
+from typing import Dict, Iterator, List, Tuple
+
+import torch
+from torch import nn
+
+
+def _unit_roots(model: nn.Module) -> List[Tuple[str, nn.Module]]:
+    block_classes = set(getattr(model, "_no_split_modules", None) or ())
+    roots = []
+    for name, module in model.named_modules():
+        if type(module).__name__ in block_classes and not any(name.startswith(r + ".") for r, _ in roots):
+            roots.append((name, module))
+    return roots
+
+
+def _modules_of_unit(root: nn.Module, prefix: str, skip: set) -> List[Tuple[str, nn.Module]]:
+    """(qualified name, module) of `root`'s subtree in post-order (children first), minus subtrees in `skip`."""
+    out = []
+
+    def visit(name, module):
+        for child_name, child in module.named_children():
+            if id(child) not in skip:
+                visit(f"{name}.{child_name}" if name else child_name, child)
+        out.append((name, module))
+
+    visit(prefix, root)
+    return out
+
+
+def _init_fn(model: nn.Module):
+    from transformers import PreTrainedModel
+
+    # Composite models: the innermost PreTrainedModel owning a module initializes it (like transformers'
+    # smart_apply); for the causal LMs here that is the model itself.
+    owners = {id(m): m for m in model.modules() if isinstance(m, PreTrainedModel)}
+
+    def fn(name: str, module: nn.Module):
+        owner = model
+        parts = name.split(".") if name else []
+        for i in range(len(parts), -1, -1):
+            candidate = model.get_submodule(".".join(parts[:i])) if i else model
+            if id(candidate) in owners:
+                owner = candidate
+                break
+        owner._init_weights(module)
+
+    return fn
+
+
+def meta_model(hf_config) -> nn.Module:
+    """The causal LM on the meta device (shapes only, no memory, no init). Its class is constructed directly:
+    `from_config` would build under DeepSpeed's partitioned init while a ZeRO-3 config is active."""
+    from transformers import AutoModelForCausalLM
+
+    model_class = AutoModelForCausalLM._model_mapping.get(type(hf_config), None)
+    with torch.device("meta"):
+        if model_class is None:  # remote code: only from_config knows the class
+            return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+        return model_class(hf_config).float()
+
+
+@torch.no_grad()
+def initial_weights(hf_config, seed: int) -> Iterator[Dict[str, torch.Tensor]]:
+    """Per init unit, {qualified name: full fp32 CPU tensor} for every parameter and every buffer that
+    `_init_weights` sets. Tied parameters appear once, under their first name (as `named_parameters`)."""
+    model = meta_model(hf_config)
+    init = _init_fn(model)
+    roots = _unit_roots(model)
+    units = [(name, _modules_of_unit(module, name, set())) for name, module in roots]
+    block_ids = {id(m) for _, m in roots}
+    units.append(("", _modules_of_unit(model, "", block_ids)))  # everything outside the blocks
+    names = {id(t): n for n, t in model.named_buffers()}
+    names.update({id(t): n for n, t in model.named_parameters()})  # tied: the first name, as named_parameters
+    seen = set()
+    for unit_name, modules in units:
+        originals, fresh = [], {}
+        for mod_name, module in modules:
+            for kind in ("_parameters", "_buffers"):
+                for key, t in getattr(module, kind).items():
+                    if t is None:
+                        continue
+                    if id(t) not in fresh:
+                        value = torch.full(t.shape, float("nan"), dtype=torch.float32)
+                        fresh[id(t)] = nn.Parameter(value, requires_grad=t.requires_grad) \
+                            if kind == "_parameters" else value
+                    originals.append((module, kind, key, t))
+                    getattr(module, kind)[key] = fresh[id(t)]
+        rng = torch.random.get_rng_state()
+        torch.manual_seed(zlib.crc32(f"{seed}:{unit_name or '<root>'}".encode()))
+        try:
+            for mod_name, module in modules:
+                init(mod_name, module)
+        finally:
+            torch.random.set_rng_state(rng)
+        values = {}
+        for module, kind, key, t in originals:
+            new = getattr(module, kind)[key]
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            if torch.isnan(new).any():
+                if kind == "_parameters":
+                    raise RuntimeError(f"{type(model).__name__}._init_weights left {key!r} of "
+                                       f"{type(module).__name__} unset; this model cannot be initialized by units")
+                continue  # a buffer _init_weights does not set: the one built in __init__ stays
+            values[names[id(t)]] = new.detach()
+        for module, kind, key, t in originals:
+            getattr(module, kind)[key] = t  # back to meta: one unit in memory at a time
+        yield values
+
+
+
+def named_tensors(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """Parameters (tied ones under their first name) and buffers, by qualified name."""
+    targets = dict(model.named_buffers())
+    targets.update(model.named_parameters())
+    return targets
+
+
+@torch.no_grad()
+def copy_full_tensors(model: nn.Module, units) -> None:
+    """Write `initial_weights` units into a model held whole."""
+    targets = named_tensors(model)
+    for values in units:
+        for name, value in values.items():
+            targets[name].copy_(value)
