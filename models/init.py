@@ -17,7 +17,9 @@ import torch
 from torch import nn
 
 
-def _unit_roots(model: nn.Module) -> List[Tuple[str, nn.Module]]:
+def decoder_blocks(model: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """(qualified name, module) of the model's repeated blocks: the outermost modules whose class is in the
+    model's `_no_split_modules` (Hugging Face's own list of modules that must stay whole)."""
     block_classes = set(getattr(model, "_no_split_modules", None) or ())
     roots = []
     for name, module in model.named_modules():
@@ -78,7 +80,7 @@ def initial_weights(hf_config, seed: int) -> Iterator[Dict[str, torch.Tensor]]:
     `_init_weights` sets. Tied parameters appear once, under their first name (as `named_parameters`)."""
     model = meta_model(hf_config)
     init = _init_fn(model)
-    roots = _unit_roots(model)
+    roots = decoder_blocks(model)
     units = [(name, _modules_of_unit(module, name, set())) for name, module in roots]
     block_ids = {id(m) for _, m in roots}
     units.append(("", _modules_of_unit(model, "", block_ids)))  # everything outside the blocks

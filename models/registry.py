@@ -186,11 +186,12 @@ def model_problems(cfg, info: ModelInfo, tokenizer) -> list:
 
 
 def build(m, info: ModelInfo, seed: int | None = None, device: torch.device | str | None = None,
-          dtype=torch.float32):
+          dtype=torch.float32, load_weights: bool = True):
     """Build the model in the caller's construction context (plain, meta device, DeepSpeed's partitioned init).
     Pretrained: weights from `name_or_path`. Presets with `seed`: the seeded initial weights of models/init.py,
     identical whatever the strategy, world size or device; without `seed` whatever construction leaves, for a
-    strategy to write the seeded weights into its own layout. The global RNG is left as it was."""
+    strategy to write the seeded weights into its own layout. `load_weights=False`: a pretrained model's
+    architecture only (its weights are then read with `pretrained_weights`). The global RNG is left as it was."""
     from transformers import AutoModelForCausalLM
 
     from models.init import copy_full_tensors, initial_weights
@@ -199,7 +200,7 @@ def build(m, info: ModelInfo, seed: int | None = None, device: torch.device | st
     kwargs = {}
     if m.attn_implementation:
         kwargs["attn_implementation"] = m.attn_implementation
-    if spec.pretrained:
+    if spec.pretrained and load_weights:
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 m.name_or_path, config=info.hf_config, revision=m.revision, trust_remote_code=m.trust_remote_code,
@@ -212,9 +213,16 @@ def build(m, info: ModelInfo, seed: int | None = None, device: torch.device | st
             model = AutoModelForCausalLM.from_config(info.hf_config, dtype=dtype, **kwargs)
         finally:
             torch.random.set_rng_state(cpu_rng)
-        if seed is not None:
+        if seed is not None and not spec.pretrained:
             copy_full_tensors(model, initial_weights(info.hf_config, seed))
     return model if device is None else model.to(device)
+
+
+def pretrained_weights(m, model):
+    """The pretrained checkpoint of `m`, to read tensor by tensor (models/weights.py)."""
+    from models.weights import PretrainedWeights
+
+    return PretrainedWeights(m, getattr(model, "base_model_prefix", ""))
 
 
 def tensor_shapes(info: ModelInfo) -> dict:

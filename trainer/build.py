@@ -168,11 +168,15 @@ def build(p: Prepared) -> Run:
     strategy.run_dir = p.run_dir
     pretrained = registry.get_spec(cfg.model.kind).pretrained
     with strategy.model_construction(pretrained=pretrained):
-        model = registry.build(cfg.model, p.model_info)
+        model = registry.build(cfg.model, p.model_info, load_weights=not strategy.loads_pretrained_weights)
     num_params = registry.count_parameters(model)
     built_param_bytes = parameter_bytes(model)  # ZeRO-3 / FSDP: this rank's part only (memory.json)
+    _prepare_blocks(model, cfg.train)
     seed_everything(cfg.train.seed, rank)
-    initial = None if pretrained else initial_weights(p.model_info.hf_config, cfg.train.seed)
+    if not pretrained:
+        initial = initial_weights(p.model_info.hf_config, cfg.train.seed)
+    else:
+        initial = registry.pretrained_weights(cfg.model, model) if strategy.loads_pretrained_weights else None
     strategy.setup(model, lambda named: build_optimizer(cfg, named), initial)
     scheduler = build_scheduler(cfg, strategy.optimizer)
     is0 = rank == 0
@@ -198,6 +202,19 @@ def build(p: Prepared) -> Run:
         logger.start_step = run.step
     run.stop = StopRequest()
     return run
+
+
+def _prepare_blocks(model, t: C.TrainConfig) -> None:
+    """Activation checkpointing (Hugging Face's, every k-th decoder block) and torch.compile per block, before
+    the strategy wraps the blocks."""
+    from models.init import decoder_blocks
+
+    if t.activation_checkpointing == "full":
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
+                                              every_n_layers=t.activation_checkpointing_every)
+    if t.compile:
+        for _, block in decoder_blocks(model):
+            block.compile()
 
 
 def _check_run_dir_agreement(run_dir: str) -> None:

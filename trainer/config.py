@@ -82,6 +82,14 @@ class StrategyConfig:
     allgather_bucket_size: float = 5e8
     stage3_prefetch_bucket_size: float = 5e7
     stage3_param_persistence_threshold: float = 1e5
+    # FSDP2 (strategy=fsdp / hsdp). true: parameters re-sharded after forward (ZeRO-3-like); false: kept
+    # gathered until backward (ZeRO-2-like, one all-gather per step fewer).
+    reshard_after_forward: bool = True
+    # Mixed precision: dtype of the gathered parameters the blocks compute in, and of the gradient
+    # reduction (null: the precision group's dtype for params, fp32 for the reduction).
+    param_dtype: Optional[str] = None  # null | fp32 | bf16 | fp16
+    reduce_dtype: Optional[str] = None  # null | fp32 | bf16
+    cpu_offload: bool = False  # parameters, gradients and optimizer state on the host; the step runs there
     # DDP knobs.
     bucket_cap_mb: float = 25.0
     find_unused_parameters: bool = False
@@ -126,6 +134,10 @@ class TrainConfig:
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping (the norm is still logged)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     collective_timeout_s: float = 600.0
+    # Recompute each checkpointed decoder block's activations in backward: none | full.
+    activation_checkpointing: str = "none"
+    activation_checkpointing_every: int = 1  # checkpoint every k-th block (1 = all of them)
+    compile: bool = False  # torch.compile each decoder block
 
 
 @dataclass
@@ -192,6 +204,7 @@ CHOICES = {
     "optim.name": ("adamw", "sgd"),
     "scheduler.name": ("constant", "linear", "cosine"),
     "precision.name": ("fp32", "bf16", "fp16"),
+    "train.activation_checkpointing": ("none", "full"),
 }
 
 
@@ -215,6 +228,8 @@ def validate(cfg: TesseraConfig, world_size: int) -> List[str]:
                 "data.seq_len"):
         if get(key) <= 0:
             problems.append(f"{key}={get(key)} must be positive")
+    if t.activation_checkpointing_every <= 0:
+        problems.append(f"train.activation_checkpointing_every={t.activation_checkpointing_every} must be positive")
     if cfg.train.collective_timeout_s <= 0:
         problems.append("train.collective_timeout_s must be positive")
     if t.grad_clip < 0:

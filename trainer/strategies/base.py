@@ -31,6 +31,10 @@ class Strategy:
     # Degrees (strategy.<key>) this strategy can use beyond 1.
     degrees: ClassVar[FrozenSet[str]] = frozenset()
     needs_process_group: ClassVar[bool] = True
+    # True: the model is built without its pretrained weights, which come to load_initial_weights as a
+    # models.weights.PretrainedWeights to read part by part; False: registry.build loads them.
+    loads_pretrained_weights: ClassVar[bool] = False
+    supports_compile: ClassVar[bool] = True
     # What save_checkpoint_state writes: checkpoints of one format are only read by strategies of the same.
     checkpoint_format: ClassVar[str] = "dcp"
 
@@ -48,6 +52,12 @@ class Strategy:
             if value not in (1, -1) and key not in cls.degrees:
                 problems.append(f"strategy={cfg.strategy.name} does not use strategy.{key} (got {value}); set it to 1 "
                                 f"or pick a strategy that does")
+        if cfg.train.compile:
+            if not cls.supports_compile:
+                problems.append(f"train.compile=true is not available with strategy={cfg.strategy.name}; set "
+                                f"train.compile=false")
+            else:
+                problems += compile_problems(cfg.train.device)
         return problems
 
     # ---- data-parallel coordinates --------------------------------------------------------------------
@@ -197,6 +207,27 @@ class Strategy:
             write_hf_folder(self.unwrapped(), tokenizer, out_dir)
         if dist.is_initialized():
             dist.barrier()
+
+
+def compile_problems(device_spec: str) -> List[str]:
+    """Whether torch.compile (inductor) can run here: dynamo on this Python, Triton for CUDA, a C++ compiler
+    for the CPU."""
+    import shutil
+
+    if not torch._dynamo.is_dynamo_supported():
+        return ["train.compile=true: torch.compile does not support this Python/platform; set train.compile=false"]
+    cuda = device_spec.startswith("cuda") or (device_spec == "auto" and torch.cuda.is_available())
+    if cuda:
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            return ["train.compile=true needs Triton on CUDA, which is not installed; set train.compile=false or "
+                    "install triton"]
+        return []
+    if not any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "c++", "clang++")):
+        return ["train.compile=true on the CPU needs a C++ compiler (g++ or clang++, or $CXX), none is on PATH; "
+                "install one or set train.compile=false"]
+    return []
 
 
 def _tensors_only(tree):

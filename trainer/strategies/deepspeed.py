@@ -161,6 +161,7 @@ class DeepSpeedStrategy(Strategy):
     launcher = "deepspeed"
     degrees = frozenset({"dp_replicate"})
     checkpoint_format = "deepspeed"
+    supports_compile = False
 
     def __init__(self, cfg, dims, device, precision):
         from types import SimpleNamespace
