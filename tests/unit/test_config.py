@@ -19,7 +19,7 @@ CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 GROUPS = {
     "model": ["tiny", "llama_10m", "llama_100m", "gpt2_10m", "gpt2_100m", "hf"],
     "data": ["default", "text", "hub", "sft"],
-    "strategy": ["single", "ddp", "zero1", "zero2", "zero3", "zero3_offload"],
+    "strategy": ["single", "ddp", "zero1", "zero2", "zero3", "zero3_offload", "fsdp", "hsdp"],
     "optim": ["adamw", "sgd"],
     "scheduler": ["constant", "linear", "cosine"],
     "precision": ["fp32", "bf16", "fp16"],
@@ -85,6 +85,10 @@ def test_every_group_option_composes(compose, group, option):
         ("strategy", "zero3"): lambda c: c.strategy.name == "zero3" and c.strategy.zero_stage == 3,
         ("strategy", "zero3_offload"): lambda c: (c.strategy.zero_stage == 3 and c.strategy.offload_optimizer == "cpu"
                                                   and c.strategy.offload_param == "cpu"),
+        ("strategy", "fsdp"): lambda c: (c.strategy.name == "fsdp" and c.strategy.dp_replicate == 1
+                                         and c.strategy.dp_shard == -1 and c.strategy.reshard_after_forward),
+        ("strategy", "hsdp"): lambda c: (c.strategy.name == "hsdp" and c.strategy.dp_replicate == -1
+                                         and c.strategy.dp_shard == 2),
         ("optim", "adamw"): lambda c: c.optim.name == "adamw",
         ("optim", "sgd"): lambda c: c.optim.name == "sgd" and c.optim.lr == 0.01 and c.optim.weight_decay == 0.0,
         ("scheduler", "constant"): lambda c: c.scheduler.name == "constant",
