@@ -37,6 +37,7 @@ class PretrainedWeights:
 
     def __init__(self, m, base_model_prefix: str = ""):
         self.folder = _local_folder(m)
+        self.name_or_path = m.name_or_path
         self.prefix = base_model_prefix
         self._files: Dict[str, str] = {}  # checkpoint key -> file
         self._open = {}
@@ -59,12 +60,17 @@ class PretrainedWeights:
 
     def _handle(self, path: str):
         if path not in self._open:
-            if path.endswith(".safetensors"):
-                from safetensors import safe_open
+            try:
+                if path.endswith(".safetensors"):
+                    from safetensors import safe_open
 
-                self._open[path] = safe_open(path, framework="pt")
-            else:
-                self._open[path] = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+                    self._open[path] = safe_open(path, framework="pt")
+                else:
+                    self._open[path] = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+            except Exception as e:  # noqa: BLE001 - a missing, truncated or foreign file: one clear message
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise ModelError(f"model.name_or_path={self.name_or_path!r}: cannot read the checkpoint file "
+                                 f"{path}: {first}") from None
         return self._open[path]
 
     def _keys_of(self, path: str):
@@ -89,14 +95,15 @@ class PretrainedWeights:
             return list(handle.get_slice(key).get_shape())
         return list(handle[key].shape)
 
-    def read(self, name: str, rows: Optional[slice] = None) -> torch.Tensor:
+    def read(self, name: str, index=None) -> torch.Tensor:
+        """The tensor, or its block at `index` (a slice of rows, or a tuple of slices, one per dimension)."""
         key = self.key(name)
         handle = self._handle(self._files[key])
         if hasattr(handle, "get_slice"):
             part = handle.get_slice(key)
-            return part[rows] if rows is not None else part[:]
+            return part[index] if index is not None else part[:]
         tensor = handle[key]
-        return (tensor[rows] if rows is not None else tensor).clone()
+        return (tensor[index] if index is not None else tensor).clone()
 
     def missing(self, names) -> list:
         return [n for n in names if self.key(n) is None]

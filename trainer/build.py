@@ -74,6 +74,8 @@ def check(cfg: C.TesseraConfig, world_size: int):
             tokenizer = registry.load_tokenizer(cfg.model)
             info = registry.describe(cfg.model, tokenizer)
             problems += registry.model_problems(cfg, info, tokenizer)
+            if cls is not None and dims is not None:
+                problems += cls.model_problems(cfg, info, dims)
         except ModelError as e:
             problems.append(str(e))
     if problems:

@@ -70,7 +70,14 @@ class StrategyConfig:
     dp_shard: int = 1
     tp: int = 1
     pp: int = 1
+    # Pipeline parallelism: schedule (gpipe, 1f1b, interleaved_1f1b, looped_bfs, interleaved_zb, zbv,
+    # dualpipev), stages per rank for the looped/interleaved ones (zbv/dualpipev: 2, V-shaped), and the first
+    # layer of each stage after the first (null: balanced). Micro-batches per step = gradient accumulation.
     pp_schedule: str = "1f1b"
+    pp_stages_per_rank: int = 2
+    pp_split_points: Optional[List[int]] = None
+    # Tensor parallelism: also split the norms' activations over the sequence (sequence parallelism).
+    sequence_parallel: bool = False
     deepspeed_config: Optional[str] = None
     # DeepSpeed ZeRO (strategy=zero1/zero2/zero3/zero3_offload; the group sets zero_stage).
     zero_stage: int = 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from contextlib import nullcontext
 from typing import ClassVar, FrozenSet, List
 
@@ -59,6 +60,11 @@ class Strategy:
             else:
                 problems += compile_problems(cfg.train.device)
         return problems
+
+    @classmethod
+    def model_problems(cls, cfg, info, dims) -> List[str]:
+        """Checks that need the model's shape and the parallel degrees (before any process group starts)."""
+        return []
 
     # ---- data-parallel coordinates --------------------------------------------------------------------
     @property
@@ -224,9 +230,12 @@ def compile_problems(device_spec: str) -> List[str]:
             return ["train.compile=true needs Triton on CUDA, which is not installed; set train.compile=false or "
                     "install triton"]
         return []
-    if not any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "c++", "clang++")):
-        return ["train.compile=true on the CPU needs a C++ compiler (g++ or clang++, or $CXX), none is on PATH; "
-                "install one or set train.compile=false"]
+    # Inductor runs exactly $CXX (default g++, clang++ on macOS), with no fallback to another compiler
+    # (torch._inductor.config.cpp.cxx); with TORCH_INDUCTOR_INSTALL_GXX it may fetch g++ from conda itself.
+    cxx = os.environ.get("CXX", "clang++" if sys.platform == "darwin" else "g++")
+    if not shutil.which(cxx) and not os.environ.get("TORCH_INDUCTOR_INSTALL_GXX"):
+        return [f"train.compile=true on the CPU needs the C++ compiler {cxx!r} ($CXX, default g++), which is not "
+                f"on PATH; install it, point CXX at one, or set train.compile=false"]
     return []
 
 

@@ -85,40 +85,50 @@ class FSDPStrategy(Strategy):
         return mesh["dp_shard"] if self.dims.dp_replicate == 1 else mesh["dp_replicate", "dp_shard"]
 
     def setup(self, model, build_optimizer, initial_weights=None):
-        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
         from models.init import decoder_blocks
 
-        s = self.cfg.strategy
         self.mesh = self._dp_mesh()
+        self.fully_shard([b for _, b in decoder_blocks(model)], model, self.mesh)
+        self.materialize(model)
+        self.load_initial_weights(model, initial_weights)
+        self.model = model
+        self.optimizer = build_optimizer(model.named_parameters())
+        return self.model, self.optimizer
+
+    def fully_shard(self, blocks, root, mesh) -> None:
+        """fully_shard each block, then the root, over `mesh` (1-D: fsdp; 2-D replicate x shard: hsdp), with
+        the mixed-precision and offload policies; gradients summed."""
+        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        s = self.cfg.strategy
         options = dict(
-            mesh=self.mesh, reshard_after_forward=s.reshard_after_forward,
+            mesh=mesh, reshard_after_forward=s.reshard_after_forward,
             mp_policy=MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype),
             offload_policy=CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if s.cpu_offload
             else OffloadPolicy())
-        for _, block in decoder_blocks(model):
+        for block in blocks:
             fully_shard(block, **options)
-        fully_shard(model, **options)
-        # Materialize this rank's shards (uninitialized), keeping the buffers built on the host.
-        buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-        model.to_empty(device="cpu" if s.cpu_offload else self.device)
-        with torch.no_grad():
-            for name, b in model.named_buffers():
-                b.copy_(buffers[name])
-        if s.cpu_offload:
-            for module in model.modules():  # buffers are not FSDP's: they compute on the device
-                for key, b in list(module._buffers.items()):
-                    if b is not None:
-                        module._buffers[key] = b.to(self.device)
-        self.load_initial_weights(model, initial_weights)
-        for module in model.modules():
+        fully_shard(root, **options)
+        for module in root.modules():
             if isinstance(module, FSDPModule):
                 # Sum, never average: see the module docstring.
                 module.set_force_sum_reduction_for_comms(True)
                 module.set_gradient_divide_factor(1.0)
-        self.model = model
-        self.optimizer = build_optimizer(model.named_parameters())
-        return self.model, self.optimizer
+
+    def materialize(self, model) -> None:
+        """Allocate this rank's shards of the meta parameters (uninitialized), keeping the buffers built on the
+        host; with CPU offload the parameters stay on the host and the buffers go to the device."""
+        offload = self.cfg.strategy.cpu_offload
+        buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+        model.to_empty(device="cpu" if offload else self.device)
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(buffers[name])
+        if offload:
+            for module in model.modules():  # buffers are not FSDP's: they compute on the device
+                for key, b in list(module._buffers.items()):
+                    if b is not None:
+                        module._buffers[key] = b.to(self.device)
 
     @torch.no_grad()
     def load_initial_weights(self, model, initial_weights) -> None:
@@ -137,12 +147,13 @@ class FSDPStrategy(Strategy):
             for name, target in targets.items():
                 if initial_weights.key(name) is None:
                     continue  # a buffer the checkpoint does not hold: as built
-                _write(target, lambda rows: initial_weights.read(name, rows))
+                _write(target, lambda index, n=name: initial_weights.read(n, index))
             initial_weights.close()
             return
         for values in initial_weights:  # seeded: one block of full tensors at a time
             for name, value in values.items():
-                _write(targets[name], lambda rows, v=value: v[rows] if rows is not None else v)
+                if name in targets:  # (pipeline stages hold only some of the model)
+                    _write(targets[name], lambda index, v=value: v[index] if index is not None else v)
 
     # ---- one step ---------------------------------------------------------------------------------------------
     def grad_norm_and_clip(self, max_norm: float) -> torch.Tensor:
@@ -175,9 +186,9 @@ class FSDPStrategy(Strategy):
 
 
 def _write(target: torch.Tensor, read) -> None:
-    """Copy this rank's part of a full tensor into `target` (a DTensor shard or a plain tensor); `read(rows)`
-    returns the full tensor's rows (None: all of it)."""
-    from torch.distributed.tensor import DTensor, Shard
+    """Copy this rank's part of a full tensor into `target` (a DTensor shard, on any mesh and placements, or a
+    plain tensor); `read(index)` returns the full tensor's block at a tuple of slices (None: all of it)."""
+    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if not isinstance(target, DTensor):
@@ -187,6 +198,5 @@ def _write(target: torch.Tensor, read) -> None:
     shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
     if local.numel() == 0 or 0 in shape:
         return
-    assert all(isinstance(p, Shard) and p.dim == 0 or not isinstance(p, Shard) for p in target.placements)
-    rows = slice(offset[0], offset[0] + shape[0]) if target.dim() else None
-    local.copy_(read(rows).reshape(local.shape))
+    index = tuple(slice(o, o + n) for o, n in zip(offset, shape)) if target.dim() else None
+    local.copy_(read(index).reshape(local.shape))
