@@ -175,12 +175,17 @@ class ModelParallelStrategy(FSDPStrategy):
             if d.pp > 1:
                 self._cut(part, stage, layer_ranges[stage])
             self.parts.append((stage, part))
-        for _, part in self.parts:
+        # With pipeline stages, the stage module is the root that FSDP wraps (and the pipeline runs): its
+        # forward may skip the causal LM's own.
+        self.stage_modules = {stage: StageModule(part, stage == 0, stage == self.num_stages - 1)
+                              for stage, part in self.parts} if d.pp > 1 else {}
+        for stage, part in self.parts:
+            root = self.stage_modules.get(stage, part)
             if d.tp > 1:
                 self._apply_tp(part, plans.tp_plan(part, d.tp))
             if self.dp_mesh is not None:
-                self.fully_shard([b for _, b in decoder_blocks(part)], part, self.dp_mesh)
-            self.materialize(part)
+                self.fully_shard([b for _, b in decoder_blocks(part)], root, self.dp_mesh)
+            self.materialize(root)
         for _, part in self.parts:
             if initial_weights is not None and hasattr(initial_weights, "read"):
                 self.load_initial_weights(part, initial_weights)
@@ -295,9 +300,8 @@ class ModelParallelStrategy(FSDPStrategy):
 
         from trainer import config as C
 
-        self.stages = [PipelineStage(StageModule(part, stage == 0, stage == self.num_stages - 1), stage,
-                                     self.num_stages, self.device,
-                                     group=self.pp_group) for stage, part in self.parts]
+        self.stages = [PipelineStage(self.stage_modules[stage], stage, self.num_stages, self.device,
+                                     group=self.pp_group) for stage, _ in self.parts]
         cls = getattr(schedules, SCHEDULES[self.cfg.strategy.pp_schedule][0])
         n_micro = C.grad_accumulation_steps(self.cfg, self.dims.dp_size)
         stages = self.stages if len(self.stages) > 1 or SCHEDULES[self.cfg.strategy.pp_schedule][1] != 1 \
@@ -357,7 +361,6 @@ class ModelParallelStrategy(FSDPStrategy):
         for r in range(self.dims.pp):
             for stage in stage_indices(r, self.dims.pp, self.num_stages // self.dims.pp, v_shape):
                 owner[stage] = r
-        parts = dict(self.parts)
         peers = dist.get_process_group_ranks(self.pp_group)
         hidden_size = self.parts[0][1].config.get_text_config().hidden_size
         for batch in micro_batches:
@@ -369,8 +372,7 @@ class ModelParallelStrategy(FSDPStrategy):
                 if stage > 0 and owner[stage - 1] != self.pp_rank:
                     x = torch.empty(*ids.shape, hidden_size, device=self.device)
                     dist.recv(x, src=peers[owner[stage - 1]], group=self.pp_group)
-                module = StageModule(parts[stage], stage == 0, stage == self.num_stages - 1)
-                x = module(ids if stage == 0 else x)
+                x = self.stage_modules[stage](ids if stage == 0 else x)
                 if stage == self.num_stages - 1:
                     total += F.cross_entropy(x.float().flatten(0, 1), batch["labels"].to(self.device).flatten(),
                                              ignore_index=IGNORE, reduction="sum")

@@ -1,0 +1,230 @@
+"""FSDP2 (strategy=fsdp / hsdp) through torchrun on CPU (gloo): parity with one process (both reshard modes,
+world sizes 2 and 4, hybrid 2x2, CPU offload, activation checkpointing, per-block compile, bf16 / fp16), DCP
+checkpoints with exact resume and resume at another world size and layout, HF export, and pretrained weights
+loaded shard by shard."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.integration.conftest import REPO, SMALL, launch, metrics, ok, read_jsonl, rel_err
+
+# Global batch 8, 10 steps, fp32; nothing written that the test does not read.
+TEN = SMALL + ["train.max_steps=10", "train.log_every=1", "train.global_batch_size=8", "eval.every=0",
+               "eval.at_end=false", "export.hf_at_end=false", "checkpoint.at_end=false"]
+# What a resumed run adds: the checkpoint's own settings, nothing written at the end.
+SAVE = ["checkpoint.every=5", "checkpoint.keep_last=0"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One process, micro 2 (accumulation 4): the curves every FSDP run must reproduce."""
+    run_dir = tmp_path_factory.mktemp("single")
+    ok(launch("python", TEN + ["strategy=single", "train.micro_batch_size=2"], run_dir))
+    return metrics(run_dir)
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory):
+    """fsdp at world size 2, micro 2 (accumulation 2): checkpoints at steps 5 and 10, evaluation and HF export
+    at the end. Serves the parity, checkpoint and export tests."""
+    run_dir = tmp_path_factory.mktemp("fsdp2")
+    proc = launch("torchrun", TEN + SAVE + ["strategy=fsdp", "train.micro_batch_size=2", "checkpoint.at_end=true",
+                                            "eval.at_end=true", "export.hf_at_end=true"], run_dir, nproc=2)
+    ok(proc)
+    assert "strategy fsdp world 2 (dp 2)" in proc.stdout + proc.stderr
+    for step in (5, 10):
+        assert (run_dir / "checkpoints" / f"step_{step}" / "COMPLETE.json").is_file()
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def hsdp_run(tmp_path_factory):
+    """hsdp at world size 4 as 2 replicas x 2 shards, micro 1 (no accumulation), checkpoint at step 5."""
+    run_dir = tmp_path_factory.mktemp("hsdp4")
+    proc = launch("torchrun", TEN + SAVE + ["strategy=hsdp", "strategy.dp_shard=2", "train.micro_batch_size=1"],
+                  run_dir, nproc=4)
+    ok(proc)
+    assert "strategy hsdp world 4 (dp 4)" in proc.stdout + proc.stderr
+    assert (run_dir / "checkpoints" / "step_5" / "COMPLETE.json").is_file()
+    return run_dir
+
+
+def _max_errors(recs, reference):
+    """Max relative loss and grad-norm errors over the steps of `recs` (the reference may hold more steps)."""
+    ref = {r["step"]: r for r in reference}
+    assert recs and all(r["step"] in ref for r in recs), [r["step"] for r in recs]
+    return (max(rel_err(r["loss"], ref[r["step"]]["loss"]) for r in recs),
+            max(rel_err(r["grad_norm"], ref[r["step"]]["grad_norm"]) for r in recs))
+
+
+def _check_parity(name, recs, reference, tol=1e-4):
+    assert [r["step"] for r in recs] == [r["step"] for r in reference] == list(range(1, 11))
+    loss_err, norm_err = _max_errors(recs, reference)
+    print(f"{name}: max relative loss error {loss_err:.2e}, grad-norm error {norm_err:.2e}")
+    assert loss_err < tol and norm_err < tol, (loss_err, norm_err)
+    return loss_err, norm_err
+
+
+# ---- parity with one process ---------------------------------------------------------------------------------
+def test_fsdp_ws2_with_accumulation_matches_single_process(reference, fsdp_run):
+    """Also shows that saving, evaluating and exporting do not disturb training."""
+    _check_parity("fsdp-ws2 (accumulation 2)", metrics(fsdp_run), reference)
+
+
+def test_hsdp_2x2_matches_single_process(reference, hsdp_run):
+    _check_parity("hsdp-ws4 (2x2)", metrics(hsdp_run), reference)
+
+
+CASES = [
+    # (id, nproc, micro, extra overrides)
+    ("fsdp-ws2-no-reshard", 2, 2, ["strategy=fsdp", "strategy.reshard_after_forward=false"]),
+    ("fsdp-ws4", 4, 1, ["strategy=fsdp"]),
+    ("fsdp-ws2-cpu-offload", 2, 2, ["strategy=fsdp", "strategy.cpu_offload=true"]),
+    ("fsdp-ws2-activation-checkpointing", 2, 2, ["strategy=fsdp", "train.activation_checkpointing=full"]),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_fsdp_variants_match_single_process(reference, tmp_path, case):
+    name, nproc, micro, extra = case
+    ok(launch("torchrun", TEN + [f"train.micro_batch_size={micro}"] + extra, tmp_path, nproc=nproc))
+    _check_parity(name, metrics(tmp_path), reference)
+
+
+@pytest.mark.slow
+def test_fsdp_compiled_blocks_match_single_process(reference, tmp_path):
+    ok(launch("torchrun", TEN + ["strategy=fsdp", "train.micro_batch_size=2", "train.compile=true"], tmp_path,
+              nproc=2, timeout=600))
+    _check_parity("fsdp-ws2-compile", metrics(tmp_path), reference)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_fsdp_mixed_precision_stays_within_tolerance(reference, tmp_path, precision):
+    ok(launch("torchrun", TEN + ["strategy=fsdp", "train.micro_batch_size=2", f"precision={precision}"], tmp_path,
+              nproc=2))
+    recs = metrics(tmp_path)
+    assert [r["step"] for r in recs] == list(range(1, 11))
+    loss_err, norm_err = _max_errors(recs, reference)
+    print(f"fsdp-ws2 {precision} vs fp32: max relative loss error {loss_err:.2e}, grad-norm error {norm_err:.2e}")
+    assert loss_err < 3e-2, loss_err
+    # The parameters really were cast: fp32 FSDP reproduces the reference to ~1e-7 (see the tests above).
+    assert loss_err > 1e-6, loss_err
+    if precision == "fp16":
+        assert all("loss_scale" in r for r in recs) and recs[-1]["skipped_steps"] <= 2, recs[-1]
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------------------
+def _resume(first, strategy_args, nproc, micro, run_dir):
+    proc = launch("torchrun", TEN + SAVE + strategy_args + [f"train.micro_batch_size={micro}",
+                                                            f"checkpoint.resume={first / 'checkpoints' / 'step_5'}"],
+                  run_dir, nproc=nproc)
+    ok(proc)
+    out = proc.stdout + proc.stderr
+    assert "resumed from" in out and "at step 5" in out, out[-3000:]
+    recs = metrics(run_dir)
+    assert [r["step"] for r in recs] == [6, 7, 8, 9, 10]
+    return recs, out
+
+
+def test_fsdp_resume_is_bit_exact(fsdp_run, tmp_path):
+    recs, _ = _resume(fsdp_run, ["strategy=fsdp"], 2, 2, tmp_path)
+    first = {r["step"]: (r["loss"], r["grad_norm"]) for r in metrics(fsdp_run)}
+    got = {r["step"]: (r["loss"], r["grad_norm"]) for r in recs}
+    print(f"fsdp-ws2 resume from step 5: {sum(got[s] == first[s] for s in got)}/{len(got)} steps bit-identical")
+    assert all(got[s] == first[s] for s in got), (got, first)
+
+
+def test_fsdp_ws2_checkpoint_resumes_as_hsdp_2x2(fsdp_run, tmp_path):
+    recs, out = _resume(fsdp_run, ["strategy=hsdp", "strategy.dp_shard=2"], 4, 1, tmp_path)
+    assert "saved at world size 2, now 4" in out
+    loss_err, norm_err = _max_errors(recs, metrics(fsdp_run))
+    print(f"fsdp-ws2 -> hsdp-ws4 resume: max relative loss error {loss_err:.2e}, grad-norm error {norm_err:.2e}")
+    assert loss_err < 1e-5 and norm_err < 1e-5, (loss_err, norm_err)
+
+
+def test_hsdp_checkpoint_resumes_as_fsdp_ws2(hsdp_run, tmp_path):
+    recs, out = _resume(hsdp_run, ["strategy=fsdp"], 2, 2, tmp_path)
+    assert "saved at world size 4, now 2" in out
+    loss_err, norm_err = _max_errors(recs, metrics(hsdp_run))
+    print(f"hsdp-ws4 -> fsdp-ws2 resume: max relative loss error {loss_err:.2e}, grad-norm error {norm_err:.2e}")
+    assert loss_err < 1e-5 and norm_err < 1e-5, (loss_err, norm_err)
+
+
+# ---- export --------------------------------------------------------------------------------------------------
+def _val_loss(model, run_dir):
+    """The trainer's evaluation (eval.max_sequences of the validation split, token-weighted CE), recomputed on
+    one process with `model`."""
+    import numpy as np
+    import torch.nn.functional as F
+
+    from tests.conftest import compose_config
+    from trainer import build as B
+    from trainer.data.datasets import IGNORE
+
+    cfg = compose_config(TEN + ["strategy=single", "train.micro_batch_size=2"])
+    val = B.prepare(cfg, str(run_dir)).data.val
+    n = min(len(val), cfg.eval.max_sequences) if cfg.eval.max_sequences else len(val)
+    idx = np.arange(n)
+    batch = val.get(idx)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], use_cache=False).logits
+    ce = F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE,
+                         reduction="sum")
+    return ce.item() / float(val.count_targets(idx))
+
+
+def test_export_logits_equal_trained_model(fsdp_run, tmp_path):
+    """hf/ (written at the end of the run, one sharded parameter gathered at a time) and `python -m
+    trainer.export` of the final DCP checkpoint give the same logits, and the exported model's validation loss
+    is the one the trainer measured on its sharded model after the last step."""
+    from transformers import AutoModelForCausalLM
+
+    proc = subprocess.run([sys.executable, "-m", "trainer.export", str(fsdp_run / "checkpoints" / "step_10"),
+                           str(tmp_path / "exported")], cwd=REPO, capture_output=True, text=True, timeout=180)
+    ok(proc)
+    at_end = AutoModelForCausalLM.from_pretrained(fsdp_run / "hf").eval()
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported").eval()
+    ids = torch.tensor([[3, 14, 15, 92, 65, 256, 35, 89]])
+    with torch.no_grad():
+        la, lb = at_end(ids).logits, exported(ids).logits
+    print(f"fsdp-ws2 export: max |hf/ - trainer.export| logit difference {(la - lb).abs().max().item():.2e}")
+    torch.testing.assert_close(la, lb, rtol=0, atol=1e-6)
+
+    trained = read_jsonl(fsdp_run / "eval.jsonl")[-1]
+    assert trained["step"] == 10
+    got = _val_loss(at_end, tmp_path / "val")
+    err = rel_err(got, trained["val_loss"])
+    print(f"fsdp-ws2 export: val loss {got:.6f} vs trainer's {trained['val_loss']:.6f} (relative error {err:.2e})")
+    assert err < 1e-5, (got, trained["val_loss"])
+
+
+# ---- pretrained weights --------------------------------------------------------------------------------------
+def test_fsdp_loads_pretrained_weights_shard_by_shard(shared_data, tmp_path):
+    """model=hf under fsdp: built on the meta device, each rank reads only its rows; the same numbers as one
+    process, and each rank holds about half of the parameters."""
+    common = ["model=hf", f"model.name_or_path={shared_data / 'models' / 'stories260K-hf'}", "data=text",
+              f"data.path={shared_data / 'datasets' / 'tinyshakespeare.txt'}", "data.seq_len=64",
+              "scheduler.warmup_steps=1", "logging.progress=false", "train.max_steps=5", "train.log_every=1",
+              "train.global_batch_size=8", "train.micro_batch_size=2", "eval.every=0", "eval.at_end=false",
+              "export.hf_at_end=false", "checkpoint.at_end=false"]
+    ok(launch("python", common + ["strategy=single"], tmp_path / "single"))
+    ok(launch("torchrun", common + ["strategy=fsdp"], tmp_path / "fsdp", nproc=2))
+    ref, recs = metrics(tmp_path / "single"), metrics(tmp_path / "fsdp")
+    assert [r["step"] for r in recs] == [r["step"] for r in ref] == [1, 2, 3, 4, 5]
+    loss_err, norm_err = _max_errors(recs, ref)
+    memory = json.loads((tmp_path / "fsdp" / "memory.json").read_text())
+    full = memory["num_params"] * 4
+    after = [rank["points"]["after_step"]["params"] / full for rank in memory["ranks"]]
+    print(f"fsdp pretrained ws2: max relative loss error {loss_err:.2e}, grad-norm error {norm_err:.2e}; "
+          f"built params per rank {[r['built_params'] for r in memory['ranks']]} B, params after the step "
+          f"{', '.join(f'{a:.3f}' for a in after)} of the fp32 model")
+    assert loss_err < 1e-4 and norm_err < 1e-4, (loss_err, norm_err)
+    assert memory["num_params"] == 292_800 and len(memory["ranks"]) == 2
+    for rank, share in zip(memory["ranks"], after):
+        assert rank["built_params"] == 0, rank  # every parameter on the meta device at construction
+        assert 0.45 < share < 0.55, (rank["rank"], share)  # this rank's shard: half the model
