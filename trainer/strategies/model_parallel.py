@@ -222,12 +222,19 @@ class ModelParallelStrategy(FSDPStrategy):
     def _apply_tp(self, part, plan) -> None:
         import fnmatch
 
-        from torch.distributed.tensor import Replicate
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                                       RowwiseParallel, SequenceParallel, parallelize_module)
 
+        from models.init import decoder_blocks
+
+        sp = self.cfg.strategy.sequence_parallel
         styles = {
+            # Sequence parallelism: outside attention and MLP the activations stay split over the sequence
+            # (dim 1); the modules holding column-parallel projections gather it at their input (Hugging Face's
+            # attention takes its shapes from its input), the row-parallel outputs reduce-scatter it.
             "colwise": lambda: ColwiseParallel(),
-            "rowwise": lambda: RowwiseParallel(),
+            "rowwise": lambda: RowwiseParallel(output_layouts=Shard(1)) if sp else RowwiseParallel(),
             "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
             "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
             "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
@@ -244,8 +251,41 @@ class ModelParallelStrategy(FSDPStrategy):
             for n in names:
                 if fnmatch.fnmatch(n, pattern) and __import__("re").fullmatch(regex, n):
                     resolved[n] = styles[style]()
+        if sp:
+            gather_at = {n.rpartition(".")[0] for n, st in resolved.items() if isinstance(st, ColwiseParallel)}
+            gather_at = {n for n in gather_at if n and any(n.startswith(b + ".") for b, _ in decoder_blocks(part))}
+            for n in gather_at:
+                part.get_submodule(n).register_forward_pre_hook(self._gather_sequence, with_kwargs=True)
+            blocks = decoder_blocks(part)
+            for name, block in blocks:  # the blocks' norms work on sequence shards
+                for sub_name, sub in block.named_modules():
+                    if "norm" in type(sub).__name__.lower() and any(True for _ in sub.parameters(recurse=False)):
+                        resolved[f"{name}.{sub_name}"] = SequenceParallel(use_local_output=True)
+            # The model's own code (masks, positions) sees whole sequences: split them entering this stage's
+            # first block, gather them leaving its last.
+            resolved[blocks[0][0]] = PrepareModuleInput(input_layouts=(Replicate(),),
+                                                        desired_input_layouts=(Shard(1),), use_local_output=True)
+            last = blocks[-1][0]
+            if last == blocks[0][0]:
+                parallelize_module(part.get_submodule(last), self.tp_mesh, resolved.pop(last))
+            resolved[last] = PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate())
         parallelize_module(part, self.tp_mesh, resolved)
         self._replicate_the_rest(part)
+
+    def _gather_sequence(self, module, args, kwargs):
+        """Forward pre-hook: the sequence-split hidden states (first argument or `hidden_states=`) made whole
+        (an all-gather whose backward reduce-scatters)."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        def whole(x):
+            d = DTensor.from_local(x, self.tp_mesh, [Shard(1)], run_check=False)
+            return d.redistribute(self.tp_mesh, [Replicate()]).to_local()
+
+        if args:
+            args = (whole(args[0]), *args[1:])
+        elif "hidden_states" in kwargs:
+            kwargs = dict(kwargs, hidden_states=whole(kwargs["hidden_states"]))
+        return args, kwargs
 
     def _replicate_the_rest(self, part) -> None:
         """Modules the plan leaves whole (norms; embeddings/head when not split) get their parameters as
