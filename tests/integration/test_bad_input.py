@@ -64,3 +64,18 @@ def test_all_config_problems_reported_together(tmp_path):
     for key in ("train.global_batch_size=10", "optim.name='adam'", "data.seq_len=4096", "scheduler.name='step'"):
         assert key in out, out
     assert "4 configuration problem(s)" in out
+
+
+def test_fsdp_config_problems_through_torchrun(tmp_path):
+    """strategy=hsdp with shard groups of 3 on 2 ranks, plus a DeepSpeed offload key: exit 2 before any
+    process group starts, both problems in one message printed once (rank 0), no traceback, no hang."""
+    proc = launch("torchrun-quiet", QUICK + ["strategy=hsdp", "strategy.dp_shard=3", "strategy.offload_optimizer=cpu"],
+                  tmp_path / "run", nproc=2, timeout=180)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    assert out.count("2 configuration problem(s)") == 1, out[-3000:]
+    assert out.count("world size 2 is not divisible") == 1 and "strategy.dp_shard=3" in out, out[-3000:]
+    assert out.count("strategy.offload_optimizer=cpu is a DeepSpeed option") == 1, out[-3000:]
+    assert "set strategy.cpu_offload=true and strategy.offload_optimizer=none" in out, out[-3000:]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

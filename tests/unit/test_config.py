@@ -19,7 +19,8 @@ CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 GROUPS = {
     "model": ["tiny", "llama_10m", "llama_100m", "gpt2_10m", "gpt2_100m", "hf"],
     "data": ["default", "text", "hub", "sft"],
-    "strategy": ["single", "ddp", "zero1", "zero2", "zero3", "zero3_offload", "fsdp", "hsdp"],
+    "strategy": ["single", "ddp", "zero1", "zero2", "zero3", "zero3_offload", "fsdp", "hsdp", "tp", "pp",
+                 "fsdp_tp", "pp_fsdp", "3d"],
     "optim": ["adamw", "sgd"],
     "scheduler": ["constant", "linear", "cosine"],
     "precision": ["fp32", "bf16", "fp16"],
@@ -89,6 +90,11 @@ def test_every_group_option_composes(compose, group, option):
                                          and c.strategy.dp_shard == -1 and c.strategy.reshard_after_forward),
         ("strategy", "hsdp"): lambda c: (c.strategy.name == "hsdp" and c.strategy.dp_replicate == -1
                                          and c.strategy.dp_shard == 2),
+        ("strategy", "tp"): lambda c: c.strategy.name == "tp" and c.strategy.tp == -1,
+        ("strategy", "pp"): lambda c: c.strategy.name == "pp" and c.strategy.pp == -1,
+        ("strategy", "fsdp_tp"): lambda c: c.strategy.name == "fsdp_tp" and (c.strategy.tp, c.strategy.dp_shard) == (2, -1),
+        ("strategy", "pp_fsdp"): lambda c: c.strategy.name == "pp_fsdp" and (c.strategy.pp, c.strategy.dp_shard) == (2, -1),
+        ("strategy", "3d"): lambda c: c.strategy.name == "3d" and (c.strategy.pp, c.strategy.tp, c.strategy.dp_shard) == (2, 2, -1),
         ("optim", "adamw"): lambda c: c.optim.name == "adamw",
         ("optim", "sgd"): lambda c: c.optim.name == "sgd" and c.optim.lr == 0.01 and c.optim.weight_decay == 0.0,
         ("scheduler", "constant"): lambda c: c.scheduler.name == "constant",

@@ -36,6 +36,7 @@ class Strategy:
     # models.weights.PretrainedWeights to read part by part; False: registry.build loads them.
     loads_pretrained_weights: ClassVar[bool] = False
     supports_compile: ClassVar[bool] = True
+    uses_fsdp_options: ClassVar[bool] = False  # strategy.cpu_offload / param_dtype / reduce_dtype
     # What save_checkpoint_state writes: checkpoints of one format are only read by strategies of the same.
     checkpoint_format: ClassVar[str] = "dcp"
 
@@ -53,6 +54,13 @@ class Strategy:
             if value not in (1, -1) and key not in cls.degrees:
                 problems.append(f"strategy={cfg.strategy.name} does not use strategy.{key} (got {value}); set it to 1 "
                                 f"or pick a strategy that does")
+        if not cls.uses_fsdp_options:
+            for key, unset in (("cpu_offload", False), ("param_dtype", None), ("reduce_dtype", None)):
+                if getattr(cfg.strategy, key) != unset:
+                    problems.append(f"strategy.{key}={getattr(cfg.strategy, key)} is an FSDP option; "
+                                    f"strategy={cfg.strategy.name} does not use it: leave it unset"
+                                    + (" (DeepSpeed: strategy.offload_optimizer / offload_param)"
+                                       if key == "cpu_offload" else ""))
         if cfg.train.compile:
             if not cls.supports_compile:
                 problems.append(f"train.compile=true is not available with strategy={cfg.strategy.name}; set "

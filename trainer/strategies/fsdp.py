@@ -28,6 +28,7 @@ class FSDPStrategy(Strategy):
     names = ("fsdp", "hsdp")
     degrees = frozenset({"dp_replicate", "dp_shard"})
     supports_compile = True
+    uses_fsdp_options = True
 
     @classmethod
     def config_problems(cls, cfg, world_size: int) -> List[str]:
