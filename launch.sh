@@ -59,6 +59,11 @@ fi
 NNODES="${NNODES:-1}"
 NODE_RANK="${NODE_RANK:-0}"
 
+if [ "${1:-}" = "plan" ]; then  # preflight: memory and checks for NPROC_PER_NODE x NNODES ranks
+  shift
+  NPROC_PER_NODE="$NPROC_PER_NODE" NNODES="$NNODES" exec "$PY" -m trainer.plan "$@"
+fi
+
 launcher="$("$PY" -m trainer.launch_plan "$@")"
 case "$launcher" in
   python)
