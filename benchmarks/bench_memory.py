@@ -1,17 +1,21 @@
 #!/usr/bin/env python
-"""Per-rank memory of parameters, gradients and optimizer state under ZeRO-1/2/3 (and DDP), measured by the
-trainer, next to the ZeRO paper's formulas and DeepSpeed's own estimator.
+"""Per-rank memory of parameters, gradients and optimizer state under ZeRO-1/2/3, DDP and FSDP2 (fsdp, hsdp),
+measured by the trainer, next to the ZeRO paper's formulas and DeepSpeed's own estimator.
 
-    python benchmarks/bench_memory.py                                # llama_100m; zero1/2/3 + ddp; world sizes 2, 4
-    python benchmarks/bench_memory.py --strategies zero3 --world-sizes 2 --out /tmp/mem.json
+    python benchmarks/bench_memory.py          # llama_100m; zero1/2/3, ddp, fsdp (both reshard modes), hsdp; N = 2, 4
+    python benchmarks/bench_memory.py --strategies zero3,fsdp --world-sizes 2 --out /tmp/mem.json
     python benchmarks/bench_memory.py --strategies zero2,zero3 --set strategy.reduce_bucket_size=5e6
-    python benchmarks/bench_memory.py --quick                        # small model, world size 2, zero2 + zero3
+    python benchmarks/bench_memory.py --quick                        # small model, world size 2, zero2 + zero3 + fsdp
 
 Each (strategy, world size N) is one real training run, `deepspeed --num_gpus N trainer/main.py strategy=...
-precision=bf16 train.max_steps=1` (seq_len 32, global batch N, micro batch 1; eval, export, checkpoints off).
-The trainer measures its own model states from the live tensors (trainer/memory.py) at three points of the first
-step (end of backward, inside the optimizer step, after it) and rank 0 writes `<run dir>/memory.json` with every
-rank's figures. The table shows, per rank (the largest rank), the peak of each category over those points:
+precision=bf16 train.max_steps=1` for ZeRO, `torchrun --nproc_per_node N ...` for ddp / fsdp / hsdp (seq_len 32,
+global batch N, micro batch 1; eval, export, checkpoints off). Strategy names: zero1, zero2, zero3, zero3_offload,
+ddp, fsdp (FSDP2, `strategy.reshard_after_forward=true`), fsdp_noreshard (the same with `false`), hsdp
+(replicate x shard with shard groups of `--hsdp-shard` ranks, default 2: 2 x 2 at N = 4; skipped where N / shard
+< 2, which would be fsdp). The trainer measures its own model states from the live tensors (trainer/memory.py) at
+several points of the first step (end of backward, inside the optimizer step, after it; FSDP also at every
+module's forward and backward) and rank 0 writes `<run dir>/memory.json` with every rank's figures. The table
+shows, per rank (the largest rank), the peak of each category over those points:
 
 * params, grads, optim+master (AdamW moments + step scalars + fp32 master copies), and "model states" = their
   sum, the quantity the paper's formulas describe;
@@ -19,17 +23,26 @@ rank's figures. The table shows, per rank (the largest rank), the peak of each c
   2Ψ + bf16 grads 2Ψ + fp32 master / momentum / variance 12Ψ = 16Ψ, of which ZeRO-1 shards the 12Ψ
   (4Ψ + 12Ψ/N), ZeRO-2 also the grads (2Ψ + 14Ψ/N), ZeRO-3 everything (16Ψ/N); DDP: 16Ψ (Tessera's ddp runs
   bf16 as autocast over fp32 weights, so its 16Ψ is 4Ψ params + 4Ψ grads + 8Ψ moments, with no master copy);
+  FSDP2 with bf16 mixed precision: fp32 parameter shards 4Ψ/N (they are the master copy) + fp32 gradient shards
+  4Ψ/N (fp32 reduce) + AdamW 8Ψ/N = 16Ψ/N, N = the shard group (hsdp: `--hsdp-shard`, not the world size);
+* "gathered": FSDP's all-gathered bf16 compute copies of the parameters, transient and not a model state; its
+  formula is 2 x (root + largest block) with reshard_after_forward=true (the root stays gathered from its
+  forward to the end of backward, one block at a time besides), 2Ψ with false (every block stays gathered from
+  its forward until its backward);
 * "DS estimate": DeepSpeed's estimator for the same setup, without offload (the per-GPU figure that
   `estimate_zero2_model_states_mem_needs_all_cold` / `estimate_zero3_model_states_mem_needs_all_cold` print;
   zero2's for ZeRO-1, which has none of its own): 2Ψ + 18Ψ/N and 4·largest_layer + 18Ψ/N. Its 18 counts the
   bf16 and the fp32 copy of the gradient partition (2 + 4) on top of the paper's 12;
 * "buffers": ZeRO's gradient-reduction buckets as allocated (`reduce_bucket_size` elements each; the part
-  gradients occupy is in "grads"). These are not model states, and no formula counts them.
+  gradients occupy is in "grads"); FSDP's communication buffers (flat bf16 all-gather outputs: the last one,
+  kept for the next all-gather, and in backward the prefetched block's; the fp32 reduce-scatter input of one
+  block). These are not model states, and no formula counts them.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import glob
 import io
 import json
 import os
@@ -44,8 +57,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VENV_BIN = os.path.dirname(sys.executable)
 MIB = 2**20
 
-DEFAULTS = dict(model="llama_100m", world_sizes="2,4", strategies="zero1,zero2,zero3,ddp")
-QUICK = dict(model="tiny", world_sizes="2", strategies="zero2,zero3")
+ZERO = ("zero1", "zero2", "zero3", "zero3_offload")
+FSDP = ("fsdp", "fsdp_noreshard", "hsdp")
+STRATEGIES = (*ZERO, "ddp", *FSDP)
+DEFAULTS = dict(model="llama_100m", world_sizes="2,4", strategies="zero1,zero2,zero3,ddp,fsdp,fsdp_noreshard,hsdp")
+QUICK = dict(model="tiny", world_sizes="2", strategies="zero2,zero3,fsdp")
 # --quick shrinks the preset to a debug size: the smoke test runs in seconds of compute.
 QUICK_MODEL = ["model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
                "model.intermediate_size=128", "data.embedded_documents=400"]
@@ -55,8 +71,14 @@ QUICK_MODEL = ["model.hidden_size=64", "model.num_layers=2", "model.num_heads=4"
 # Reference figures
 # ---------------------------------------------------------------------------------------------------------------
 def paper_formula(strategy: str, psi: int, n: int) -> dict:
-    """Bytes per rank from the ZeRO paper (mixed-precision Adam, K = 12), split into its parts."""
-    if strategy == "ddp":
+    """Bytes per rank from the ZeRO paper (mixed-precision Adam, K = 12), split into its parts. FSDP: n is the
+    shard group's size."""
+    if strategy in FSDP:
+        # FSDP2 + MixedPrecisionPolicy(bf16 params, fp32 reduce): the fp32 shards are the parameters and the master
+        # copy at once; gradient shards in fp32; AdamW's two moments. ZeRO-3's 16Ψ/N in another split.
+        parts = {"params": 4 * psi / n, "grads": 4 * psi / n, "optim_master": 8 * psi / n}
+        text = "16Ψ/N" if strategy != "hsdp" else f"16Ψ/{n}"
+    elif strategy == "ddp":
         # The paper's data-parallel baseline is 2Ψ + 2Ψ + 12Ψ; Tessera's ddp in bf16 holds fp32 weights and grads
         # (autocast) and two fp32 moments: 4Ψ + 4Ψ + 8Ψ. Same 16Ψ.
         parts = {"params": 4 * psi, "grads": 4 * psi, "optim_master": 8 * psi}
@@ -78,7 +100,7 @@ def paper_formula(strategy: str, psi: int, n: int) -> dict:
 def deepspeed_estimate(strategy: str, psi: int, largest_layer: int, n: int):
     """DeepSpeed's per-GPU estimate without offload (the figure its *_all_cold function prints for
     offload_optimizer=none [, offload_param=none, zero_init=1]), and that printout; (None, "") for ddp."""
-    if strategy == "ddp":
+    if strategy not in ZERO:
         return None, ""
     out = io.StringIO()
     if strategy in ("zero1", "zero2"):
@@ -107,9 +129,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def hsdp_degrees(a, n: int):
+    """(replicate, shard) for hsdp at world size n, or None where it would not replicate (that is fsdp)."""
+    shard = a.hsdp_shard
+    if n % shard or n // shard < 2:
+        return None
+    return n // shard, shard
+
+
+def strategy_overrides(a, strategy: str, n: int) -> list:
+    if strategy == "fsdp":
+        return ["strategy=fsdp", "strategy.reshard_after_forward=true"]
+    if strategy == "fsdp_noreshard":
+        return ["strategy=fsdp", "strategy.reshard_after_forward=false"]
+    if strategy == "hsdp":
+        replicate, shard = hsdp_degrees(a, n)
+        return ["strategy=hsdp", f"strategy.dp_replicate={replicate}", f"strategy.dp_shard={shard}"]
+    return [f"strategy={strategy}"]
+
+
 def run_overrides(a, strategy: str, n: int) -> list:
     return [
-        f"model={a.model}", *(QUICK_MODEL if a.quick else []), f"strategy={strategy}", "precision=bf16",
+        f"model={a.model}", *(QUICK_MODEL if a.quick else []), *strategy_overrides(a, strategy, n), "precision=bf16",
         f"data.seq_len={a.seq_len}", "train.max_steps=1", f"train.global_batch_size={n}", "train.micro_batch_size=1",
         "train.log_every=1", "eval.every=0", "eval.at_start=false", "eval.at_end=false", "export.hf_at_end=false",
         "checkpoint.every=0", "checkpoint.at_end=false", "checkpoint.resume=none", "logging.progress=false",
@@ -117,18 +158,38 @@ def run_overrides(a, strategy: str, n: int) -> list:
     ]
 
 
+def _launcher(name: str) -> str:
+    path = os.path.join(VENV_BIN, name)
+    return path if os.path.exists(path) else shutil.which(name) or name
+
+
+def remove_deepspeed_shm(port: int) -> None:
+    """DeepSpeed's CPU accelerator creates one /dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>
+    (66 MB) per rank and never unlinks it (deepspeed/ops/csrc/cpu/comm/shm.cpp: shared_close is not called):
+    remove this run's, after the run."""
+    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"):
+        with contextlib.suppress(OSError):
+            os.remove(path)
+
+
 def measure(a, strategy: str, n: int, work: str) -> dict:
     run_dir = os.path.join(work, f"{strategy}-ws{n}")
     log_path = run_dir + ".log"
-    deepspeed = os.path.join(VENV_BIN, "deepspeed")
-    if not os.path.exists(deepspeed):
-        deepspeed = shutil.which("deepspeed") or "deepspeed"
-    cmd = [deepspeed, "--num_gpus", str(n), "--master_port", str(free_port()), os.path.join(ROOT, "trainer", "main.py"),
-           *run_overrides(a, strategy, n), f"hydra.run.dir={run_dir}"]
+    port = free_port()
+    main_py = os.path.join(ROOT, "trainer", "main.py")
+    if strategy in ZERO:
+        cmd = [_launcher("deepspeed"), "--num_gpus", str(n), "--master_port", str(port), main_py]
+    else:
+        cmd = [_launcher("torchrun"), f"--nproc_per_node={n}", f"--master_port={port}", main_py]
+    cmd += [*run_overrides(a, strategy, n), f"hydra.run.dir={run_dir}"]
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(a.threads))
     t0 = time.perf_counter()
-    with open(log_path, "w") as log:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=a.timeout)
+    try:
+        with open(log_path, "w") as log:
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=a.timeout)
+    finally:
+        if strategy in ZERO:
+            remove_deepspeed_shm(port)
     seconds = time.perf_counter() - t0
     with open(log_path) as fh:
         text = fh.read()
@@ -148,10 +209,28 @@ def summarize(strategy: str, n: int, mem: dict) -> dict:
     def top(key):
         return max(r[key] for r in ranks)
 
-    formula = paper_formula(strategy, psi, n)
+    layout = mem.get("fsdp")
+    shard = layout["shard_size"] if layout else n  # FSDP's formulas divide by the shard group, not the world
+    formula = paper_formula(strategy, psi, shard)
     estimate, printout = deepspeed_estimate(strategy, psi, mem["largest_layer_params"], n)
+    gathered_formula = gathered_text = None
+    if layout:
+        units = layout["unit_params"]  # the root's first, then the blocks
+        if strategy == "fsdp_noreshard":
+            gathered_formula, gathered_text = 2 * psi, "2Ψ"
+        else:
+            gathered_formula, gathered_text = 2 * (units[0] + max(units[1:], default=0)), "2(root+block)"
+    label = strategy
+    if strategy == "hsdp":
+        label = f"hsdp {n // shard}x{shard}"
+    elif strategy == "fsdp_noreshard":
+        label = "fsdp, no reshard"
     row = {
-        "strategy": strategy, "world_size": n, "num_params": psi, "largest_layer_params": mem["largest_layer_params"],
+        "strategy": strategy, "label": label, "world_size": n, "shard_size": shard if layout else None,
+        "num_params": psi, "largest_layer_params": mem["largest_layer_params"],
+        "fsdp_unit_params": layout["unit_params"] if layout else None,
+        "gathered": top("gathered") if layout else None, "gathered_formula": gathered_formula,
+        "gathered_formula_text": gathered_text,
         "params": top("params"), "grads": top("grads"),
         "optim_master": max(r["optimizer"] + r["master_params"] for r in ranks),
         "optimizer": top("optimizer"), "master_params": top("master_params"),
@@ -177,25 +256,29 @@ def _m(x) -> str:
 
 def table(rows) -> str:
     head = ("| strategy | N | params | grads (peak at) | optim+master | model states | between steps | paper formula "
-            "| measured/formula | DS estimate | measured/DS | buffers (allocated) |")
+            "| measured/formula | DS estimate | measured/DS | gathered (formula) | buffers (allocated) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         at = "/".join(p.replace("backward_end", "bwd end").replace("optimizer_step", "in step")
                       .replace("after_step", "after") for p in r["grads_peak_at"])
+        gathered = "—" if r.get("gathered") is None else \
+            f"{_m(r['gathered'])} ({r['gathered_formula_text']} = {_m(r['gathered_formula'])})"
         lines.append(
-            f"| {r['strategy']} | {r['world_size']} | {_m(r['params'])} | {_m(r['grads'])} ({at}) | "
+            f"| {r.get('label', r['strategy'])} | {r['world_size']} | {_m(r['params'])} | {_m(r['grads'])} ({at}) | "
             f"{_m(r['optim_master'])} | {_m(r['model_states'])} | {_m(r['between_steps'])} | "
             f"{r['formula_text']} = {_m(r['formula'])} | {r['ratio_formula']:.2f} | {_m(r['deepspeed_estimate'])} | "
-            f"{'—' if r['ratio_estimate'] is None else format(r['ratio_estimate'], '.2f')} | {_m(r['buffers'])} |")
+            f"{'—' if r['ratio_estimate'] is None else format(r['ratio_estimate'], '.2f')} | {gathered} | "
+            f"{_m(r['buffers'])} |")
     return "\n".join(lines)
 
 
 NOTES = """\
 Notes (DeepSpeed's behaviour read in its source, 0.19.8, and seen in these figures; CPU accelerator, bf16, gradient
 accumulation dtype = bf16, overlap_comm and contiguous_gradients on, as Tessera configures it):
-* Per-rank MiB; each column is the largest rank's peak over three points of the first step (end of backward,
-  inside the optimizer step, after it); "model states" = params + grads + optim+master; "between steps" = the
-  same four measured after the step (what stays allocated from one step to the next).
+* Per-rank MiB; each column is the largest rank's peak over the points of the first step (end of backward,
+  inside the optimizer step, after it; FSDP: each module's forward and backward instead of the end of backward);
+  "model states" = params + grads + optim+master; "between steps" = the same four measured after the step (what
+  stays allocated from one step to the next). For fsdp / hsdp, N in the formulas is the shard group's size.
 * ZeRO-1/2 (DeepSpeedZeroOptimizer): every rank keeps all bf16 parameters in one flat buffer (2Ψ), the fp32
   master copy of its partition (4Ψ/N) and AdamW's two moments of it (8Ψ/N): optim+master = 12Ψ/N as in the paper.
 * Gradients in ZeRO-1/2: in backward each bf16 gradient is copied into a reduction bucket of reduce_bucket_size
@@ -220,7 +303,19 @@ accumulation dtype = bf16, overlap_comm and contiguous_gradients on, as Tessera 
   full-gradient peak; the in-step fp32 copy remains.
 * ddp: fp32 weights under bf16 autocast: params 4Ψ, grads 4Ψ (views into DDP's buckets, which stay allocated in
   its C++ reducer after zero_grad and are not visible from Python after the step), AdamW 8Ψ; no master copy.
-  The AdamW `step` counters (4 bytes per parameter tensor) are counted in optim+master."""
+  The AdamW `step` counters (4 bytes per parameter tensor) are counted in optim+master.
+* fsdp / hsdp (FSDP2 fully_shard on every decoder block and the root, MixedPrecisionPolicy(bf16, reduce fp32)):
+  the parameters are DTensors whose local shards are fp32 (4Ψ/N, the master copy), AdamW's moments are shards
+  of them (8Ψ/N), and after backward each parameter's .grad is an fp32 shard (4Ψ/N; views into one
+  reduce-scatter output per block) until zero_grad: 16Ψ/N, with N the shard group (hsdp replicates it
+  dp_replicate times; only the gradients' all-reduce across replicas differs). Between steps 12Ψ/N. The bf16
+  compute copies ("gathered") exist only in forward and backward: with reshard_after_forward=true the root's
+  (FSDP never reshards the root after forward) plus one block's; with false every block's, 2Ψ, from the end of
+  forward until each block's backward (the ZeRO-2-like mode: no second all-gather in backward). The FSDP
+  peaks are measured at each FSDP module's forward and backward in the first micro-batch. "buffers" are FSDP's
+  flat all-gather outputs (the last one, kept until the next all-gather; in backward also the prefetched next
+  block's, before it is copied out) and one block's fp32 reduce-scatter input; a block's unsharded bf16
+  gradients before their reduce-scatter are not seen."""
 
 
 def parse_args(argv=None):
@@ -228,14 +323,16 @@ def parse_args(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help=f"preset in conf/model (default {DEFAULTS['model']})")
     ap.add_argument("--world-sizes", help=f"comma-separated (default {DEFAULTS['world_sizes']})")
-    ap.add_argument("--strategies", help=f"comma-separated, of zero1, zero2, zero3, zero3_offload, ddp (default "
+    ap.add_argument("--strategies", help=f"comma-separated, of {', '.join(STRATEGIES)} (default "
                                          f"{DEFAULTS['strategies']})")
+    ap.add_argument("--hsdp-shard", type=int, default=2,
+                    help="hsdp's shard group size (strategy.dp_shard); dp_replicate = N / it (default 2)")
     ap.add_argument("--seq-len", type=int, default=32, help="tokens per sequence (default 32)")
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per rank (default 1)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="an extra Hydra override for every run, e.g. --set strategy.reduce_bucket_size=5e6")
     ap.add_argument("--quick", action="store_true",
-                    help="a debug-size model, world size 2, zero2 + zero3 (the smoke test)")
+                    help="a debug-size model, world size 2, zero2 + zero3 + fsdp (the smoke test)")
     ap.add_argument("--out", help="write the rows (and each run's memory.json) as JSON here")
     ap.add_argument("--keep", action="store_true", help="keep the work folder (run dirs, logs)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per run (default 900)")
@@ -247,10 +344,10 @@ def parse_args(argv=None):
             setattr(a, k, v)
     a.world_size_list = [int(x) for x in str(a.world_sizes).split(",") if x.strip()]
     a.strategy_list = [x.strip() for x in str(a.strategies).split(",") if x.strip()]
-    bad = [s for s in a.strategy_list if s not in ("zero1", "zero2", "zero3", "zero3_offload", "ddp")]
-    if bad or not a.strategy_list or not a.world_size_list or min(a.world_size_list) < 1:
-        ap.error(f"--strategies must name zero1/zero2/zero3/zero3_offload/ddp (got {bad or a.strategies}) and "
-                 f"--world-sizes positive integers")
+    bad = [s for s in a.strategy_list if s not in STRATEGIES]
+    if bad or not a.strategy_list or not a.world_size_list or min(a.world_size_list) < 1 or a.hsdp_shard < 1:
+        ap.error(f"--strategies must name {'/'.join(STRATEGIES)} (got {bad or a.strategies}), --world-sizes and "
+                 f"--hsdp-shard positive integers")
     return a
 
 
@@ -261,10 +358,13 @@ def main(argv=None) -> int:
     try:
         for n in a.world_size_list:
             for strategy in a.strategy_list:
+                if strategy == "hsdp" and hsdp_degrees(a, n) is None:
+                    print(f"hsdp N={n}: skipped (shard groups of {a.hsdp_shard} ranks leave no replica)", flush=True)
+                    continue
                 mem = measure(a, strategy, n, work)
                 row = summarize(strategy, n, mem)
                 rows.append(row)
-                print(f"{strategy} N={n}: model states {_m(row['model_states'])} MiB per rank (formula "
+                print(f"{row['label']} N={n}: model states {_m(row['model_states'])} MiB per rank (formula "
                       f"{_m(row['formula'])}), {row['seconds']:.0f} s", flush=True)
     finally:
         if a.keep:
@@ -277,7 +377,8 @@ def main(argv=None) -> int:
           f"({psi / 1e6:.1f}M), largest layer {rows[0]['largest_layer_params']:,}; precision bf16, seq_len "
           f"{a.seq_len}, global batch = N, one step{'; ' + ' '.join(a.set) if a.set else ''}. MiB = 2^20 bytes.")
     print("Formula: ZeRO paper, mixed-precision Adam (K=12): bf16 params 2Ψ + bf16 grads 2Ψ + fp32 master, "
-          "momentum, variance 12Ψ = 16Ψ.")
+          "momentum, variance 12Ψ = 16Ψ. FSDP2 (bf16 compute, fp32 reduce): fp32 param shards 4Ψ/N + fp32 grad "
+          "shards 4Ψ/N + AdamW 8Ψ/N = 16Ψ/N (N = shard group), plus transient bf16 gathered params.")
     print()
     print(table(rows))
     print()
@@ -286,7 +387,8 @@ def main(argv=None) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(a.out)) or ".", exist_ok=True)
         with open(a.out, "w") as fh:
             json.dump({"config": {"model": a.model, "quick": a.quick, "world_sizes": a.world_size_list,
-                                  "strategies": a.strategy_list, "seq_len": a.seq_len, "threads": a.threads,
+                                  "strategies": a.strategy_list, "hsdp_shard": a.hsdp_shard,
+                                  "seq_len": a.seq_len, "threads": a.threads,
                                   "precision": "bf16", "extra_overrides": a.set},
                        "rows": rows}, fh, indent=1)
         print(f"wrote {a.out}")

@@ -4,31 +4,42 @@
 
 * params: the model's parameters as they are stored (DeepSpeed: the bf16/fp16 flat buffers the parameters are
   views into; ZeRO-3: this rank's partitions `p.ds_tensor` plus any parameter that is whole, such as the
-  persistent small ones below `stage3_param_persistence_threshold`);
+  persistent small ones below `stage3_param_persistence_threshold`; FSDP2: the local shards of the DTensor
+  parameters, fp32, padded as FSDP pads them);
 * master_params: fp32 master copies, where the strategy keeps them apart from the parameters (ZeRO's
   `single_partition_of_fp32_groups` / `fp32_partitioned_groups_flat`, also in fp32 training; none for
-  single/ddp, whose parameters are fp32 themselves);
-* optimizer: the tensors in the optimizer's `state` (AdamW: exp_avg, exp_avg_sq and the `step` scalars);
+  single/ddp, whose parameters are fp32 themselves, nor for FSDP2, whose fp32 shards are the parameters: its
+  MixedPrecisionPolicy casts what it all-gathers);
+* optimizer: the tensors in the optimizer's `state` (AdamW: exp_avg, exp_avg_sq and the `step` scalars; FSDP2:
+  DTensor shards, counted by their local tensors);
 * grads: gradients wherever they live: `.grad` of the parameters and of the fp32 partitions, ZeRO's gradient
   partitions (`averaged_gradients`, `grads_in_partition`, ZeRO-3's `grad_partitions_flat_buffer`) and the
-  parts of the communication buckets that gradients occupy;
+  parts of the communication buckets that gradients occupy; FSDP2: the sharded gradients (DTensor `.grad` of
+  the sharded parameters, views into one reduce-scatter output per FSDP module) and, in backward, the unsharded
+  gradients of gathered parameters;
+* gathered: FSDP2's all-gathered (unsharded) parameters, the compute copies (bf16 under precision=bf16) that
+  exist only between a module's all-gather and its reshard; not a model state;
 * buffers: the rest of ZeRO's reduction buckets (`ipg_buckets`, `reduce_bucket_size` elements each, allocated
-  whether or not gradients fill them);
+  whether or not gradients fill them); FSDP2's communication buffers (flat all-gather outputs: the last one, kept
+  until the next all-gather, and a prefetched block's before it is copied out into its parameters; the
+  reduce-scatter input; HSDP's all-reduce input);
 * other: any other tensor found in the ZeRO optimizer object.
 
 Each distinct storage is counted once (keyed by `untyped_storage().data_ptr()`, counted as the storage's
 `nbytes()`), in the category met first in the order above; a gradient that is a view into a bucket counts its
 own bytes as gradient bytes, the bucket's remainder counts as buffers. `total` is the sum of all categories.
 
-Gradients are transient: every strategy frees them in or after the optimizer step (single/ddp:
+Gradients are transient: every strategy frees them in or after the optimizer step (single/ddp/FSDP:
 `zero_grad(set_to_none=True)`; ZeRO-1/2: its buckets and partitions are released in the step; ZeRO-3 keeps
 only its flat gradient-partition buffer). So the trainer measures at several points of the first step
 (`watch_first_step`, armed before the loop): at the end of backward (DeepSpeed: entry of the gradient epilogue,
 when the buckets hold this step's gradients), inside the optimizer step (a post-hook of the torch optimizer:
 gradients and the new optimizer state both exist; ZeRO steps it once per parameter group), and after the step.
-`log_memory` gathers the per-category peaks over those points from every rank, logs one line on rank 0 and
-writes `<run dir>/memory.json`; each rank's entry also has `built_params`, the parameter bytes it held right
-after model construction (ZeRO-3 and FSDP: its partition, not the whole model).
+FSDP2 adds `forward` and `backward`, taken at every FSDP module in the first micro-batch (see `_watch_fsdp`):
+its gathered parameters exist only there. `log_memory` gathers the per-category peaks over all snapshots from
+every rank, logs one line on rank 0 and writes `<run dir>/memory.json`; each rank's entry also has
+`built_params`, the parameter bytes it held right after model construction (ZeRO-3 and FSDP: its partition, not
+the whole model; FSDP builds on the meta device, so 0).
 """
 from __future__ import annotations
 
@@ -41,7 +52,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-CATEGORIES = ("params", "master_params", "optimizer", "grads", "buffers", "other")
+CATEGORIES = ("params", "master_params", "optimizer", "grads", "gathered", "buffers", "other")
 MODEL_STATES = ("params", "grads", "optimizer", "master_params")  # what the ZeRO paper's formulas count
 
 
@@ -51,7 +62,10 @@ MODEL_STATES = ("params", "grads", "optimizer", "master_params")  # what the ZeR
 def _storage(t: torch.Tensor):
     """(key, nbytes) of the tensor's storage, or (None, 0) for meta / empty storages. A DTensor counts its local
     shard."""
-    if hasattr(t, "to_local"):
+    local = getattr(t, "_local_tensor", None)  # a DTensor: its shard (to_local() without an autograd node)
+    if isinstance(local, torch.Tensor):
+        t = local
+    elif hasattr(t, "to_local"):
         t = t.to_local()
     if t.device.type == "meta":
         return None, 0
@@ -264,14 +278,107 @@ def _walk(obj, path: str = "", depth: int = 0, visited=None):
             yield from _walk(v, f"{path}.{k}" if path else k, depth + 1, visited)
 
 
+def _fsdp_trees(strategy) -> list:
+    """[(root, [FSDP2 modules in its tree, root first])] for the strategy's module trees that contain FSDP2
+    (`fully_shard`) modules: the pipeline stage modules a strategy keeps apart from its model (`stage_modules`;
+    FSDP's root there is the stage module, which the model's tree does not contain), then the model. Each FSDP
+    module once, in the first tree that holds it."""
+    roots = [*(getattr(strategy, "stage_modules", None) or {}).values(), strategy.unwrapped()]
+    trees, seen = [], set()
+    for root in roots:
+        found = []
+        for m in root.modules() if isinstance(root, torch.nn.Module) else []:
+            if id(m) not in seen and hasattr(m, "_get_fsdp_state"):
+                seen.add(id(m))
+                found.append(m)
+        if found:
+            trees.append((root, found))
+    return trees
+
+
+def _fsdp_modules(strategy) -> list:
+    return [m for _, found in _fsdp_trees(strategy) for m in found]
+
+
+def _fsdp_states(strategy) -> list:
+    """The FSDP2 states of the strategy's modules, each once; [] without FSDP2. A state owns the parameter groups
+    of its module (`_fsdp_param_groups`; one `_fsdp_param_group` in older torch) and shares one communication
+    context with the others."""
+    states, seen = [], set()
+    for m in _fsdp_modules(strategy):
+        try:
+            state = m._get_fsdp_state()
+        except Exception:  # noqa: BLE001, S112 - not an FSDP2 module after all
+            continue
+        if state is not None and id(state) not in seen:
+            seen.add(id(state))
+            states.append(state)
+    return states
+
+
+def _fsdp_params(state) -> list:
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [group] if group is not None else []
+    return [(g, fp) for g in groups if g is not None for fp in getattr(g, "fsdp_params", [])]
+
+
+def _measure_fsdp(strategy, states, tally: _Tally) -> None:
+    """FSDP2: each parameter is a DTensor whose local shard is this rank's part of the fp32 parameter (also the
+    master copy: with a MixedPrecisionPolicy FSDP casts what it all-gathers, and keeps no other copy); gradients
+    and AdamW state are DTensor shards too. While a group is unsharded (forward / backward) its module holds the
+    all-gathered parameters instead (bf16 under precision=bf16): they are counted as `gathered`, and the shards,
+    found through FSDP's own records, still as params."""
+    pairs = [pair for state in states for pair in _fsdp_params(state)]
+    for _, fp in pairs:
+        tally.add("params", getattr(fp, "sharded_param", None), "sharded parameters (DTensor local shards)")
+    for _, fp in pairs:
+        for t in list(getattr(fp, "all_gather_outputs", None) or []) + \
+                list(getattr(fp, "_unsharded_inner_tensors", None) or []):
+            tally.add("gathered", t, "all-gathered parameters")
+        tally.add("gathered", getattr(fp, "_sharded_post_forward_param_data", None), "post-forward reshard (hsdp)")
+    model = strategy.unwrapped()
+    for p in _unique_params(model):  # parameters FSDP does not manage; nothing new while all are sharded
+        tally.add("params", p, "parameters")
+    _optimizer_state(tally, strategy.optimizer)
+    for _, fp in pairs:
+        sharded = getattr(fp, "sharded_param", None)
+        tally.add("grads", getattr(sharded, "grad", None), "sharded gradients (DTensor local shards)")
+        unsharded = getattr(fp, "_unsharded_param", None)
+        tally.add("grads", getattr(unsharded, "grad", None), "unsharded gradients (backward)")
+        tally.add("grads", getattr(fp, "unsharded_accumulated_grad", None), "unsharded accumulated gradients")
+    for p in _unique_params(model):
+        tally.add("grads", p.grad, "param.grad")
+    # Communication buffers: the flat all-gather output, the reduce-scatter input kept for the next wait,
+    # a partial reduce output (gradient accumulation without reduce-scatter).
+    seen_ctx = set()
+    for state in states:
+        ctx = getattr(state, "_comm_ctx", None)
+        if ctx is not None and id(ctx) not in seen_ctx:
+            seen_ctx.add(id(ctx))
+            tally.add_all("buffers", getattr(ctx, "all_gather_state", None), "all-gather state")
+            tally.add_all("buffers", getattr(ctx, "reduce_scatter_states", None), "reduce-scatter inputs")
+    for state in states:
+        groups = {id(g): g for g, _ in _fsdp_params(state)}
+        for g in groups.values():
+            tally.add("grads", getattr(g, "_partial_reduce_output", None), "partial reduce output")
+            tally.add_all("buffers", getattr(g, "_all_gather_result", None), "all-gather output")
+            tally.add("buffers", getattr(g, "_all_gather_output", None), "all-gather output")
+            tally.add_all("buffers", getattr(g, "_all_reduce_state", None), "all-reduce input (hsdp)")
+
+
 def measure_model_states(strategy) -> dict:
-    """This rank's bytes now: {"params", "grads", "optimizer", "master_params", "buffers", "other", "total",
-    "detail": {category: {label: bytes}}}. Call it after an optimizer step (before it there is no optimizer
+    """This rank's bytes now: {"params", "grads", "optimizer", "master_params", "gathered", "buffers", "other",
+    "total", "detail": {category: {label: bytes}}}. Call it after an optimizer step (before it there is no optimizer
     state); gradients exist only between backward and the end of the step (see the module's docstring)."""
     tally = _Tally()
     engine = getattr(strategy, "engine", None)
+    states = [] if engine is not None else _fsdp_states(strategy)
     if engine is not None and getattr(engine, "optimizer", None) is not None:
         _measure_deepspeed(engine, tally)
+    elif states:
+        _measure_fsdp(strategy, states, tally)
     else:
         _measure_plain(strategy, tally)
     return tally.result()
@@ -302,11 +409,15 @@ def gather_memory(strategy, mine: Optional[dict] = None) -> List[dict]:
 # Probing the first step and logging it
 # ---------------------------------------------------------------------------------------------------------------
 class _Probe:
-    """Snapshots taken at named points of one step: per point, the one with the largest total."""
+    """Snapshots taken at named points of one step: per point, the one with the largest total (a consistent
+    picture of one moment); and per category, the largest figure over every snapshot and the point it was taken
+    at (a point may be visited many times: FSDP's `forward` / `backward` once per module)."""
 
     def __init__(self, strategy):
         self.strategy = strategy
         self.snapshots: Dict[str, dict] = {}
+        self.peaks: Dict[str, int] = {}
+        self.peak_point: Dict[str, str] = {}
         self.errors: List[str] = []
         self.undo = []
 
@@ -318,6 +429,9 @@ class _Probe:
             return
         if point not in self.snapshots or m["total"] > self.snapshots[point]["total"]:
             self.snapshots[point] = m
+        for c in CATEGORIES:
+            if c not in self.peaks or m[c] > self.peaks[c]:
+                self.peaks[c], self.peak_point[c] = m[c], point
 
     def close(self) -> None:
         for undo in self.undo:
@@ -347,17 +461,66 @@ def watch_first_step(run) -> bool:
 
         zo.independent_gradient_partition_epilogue = epilogue  # an instance attribute shadows the method
         probe.undo.append(lambda: zo.__dict__.pop("independent_gradient_partition_epilogue", None))
+    if engine is None:
+        for root, modules in _fsdp_trees(strategy):
+            _watch_fsdp(probe, root, modules)
     _PROBES[strategy] = probe
     return True
 
 
-def _peaks(snapshots: Dict[str, dict]) -> dict:
-    """Per category, the largest figure over the probe points; `model_states` = params + grads + optimizer +
-    master_params of those peaks (what the ZeRO formulas count); `total` = the same plus buffers and other."""
-    out = {c: max((s[c] for s in snapshots.values()), default=0) for c in CATEGORIES}
+def _first_grad_tensor(output):
+    """The first tensor in a module's output (tensor, tuple / list, dict / ModelOutput) that requires grad."""
+    if isinstance(output, torch.Tensor):
+        return output if output.requires_grad else None
+    values = output.values() if isinstance(output, dict) else output if isinstance(output, (list, tuple)) else ()
+    for v in values:
+        t = _first_grad_tensor(v)
+        if t is not None:
+            return t
+    return None
+
+
+def _watch_fsdp(probe: _Probe, root, modules: list) -> None:
+    """FSDP2: the gathered (unsharded) parameters exist only in forward and backward. During the first
+    micro-batch: `forward` at every FSDP module's forward, after FSDP's own pre-forward hook gathered its
+    parameters (and before resharding: reshard_after_forward=true frees a block's after its forward, false keeps
+    every block's until its backward); `backward` when the gradient reaches the module's output, after FSDP's
+    pre-backward hook (registered on the same output earlier, so it runs first) gathered the parameters again and
+    prefetched the next block's (still in that block's flat all-gather output, counted as buffers, until its own
+    pre-backward copies it out); the gradient shards of the blocks behind it exist by then, and the root's
+    unsharded gradients (it reduce-scatters them only at the end of backward). Not seen: a block's unsharded
+    gradients between its backward and their reduce-scatter."""
+    forwards = [0]
+
+    def count(module, args):
+        forwards[0] += 1
+
+    def pre(module, args):
+        if forwards[0] == 1:
+            probe.snap("forward")
+
+    def post(module, args, output):
+        if forwards[0] != 1 or not torch.is_grad_enabled():
+            return
+        t = _first_grad_tensor(output)
+        if t is not None:
+            t.register_hook(lambda grad: probe.snap("backward"))  # returns None: the gradient is unchanged
+
+    handles = [root.register_forward_pre_hook(count, prepend=True)]  # counts the root's forwards (micro-batches)
+    for m in modules:  # appended: they run after FSDP's pre-forward (prepended) and post-forward hooks
+        handles.append(m.register_forward_pre_hook(pre))
+        handles.append(m.register_forward_hook(post))
+    probe.undo += [h.remove for h in handles]
+
+
+def _peaks(probe: _Probe) -> dict:
+    """Per category, the largest figure over every snapshot of the probe; `model_states` = params + grads +
+    optimizer + master_params of those peaks (what the ZeRO formulas count); `total` = the sum of all categories'
+    peaks. The peaks of different categories may come from different moments."""
+    out = {c: probe.peaks.get(c, 0) for c in CATEGORIES}
     out["model_states"] = sum(out[c] for c in MODEL_STATES)
     out["total"] = sum(out[c] for c in CATEGORIES)
-    out["peak_point"] = {c: max(snapshots, key=lambda k: snapshots[k][c]) for c in CATEGORIES if snapshots}
+    out["peak_point"] = dict(probe.peak_point)
     return out
 
 
@@ -367,6 +530,22 @@ def _largest_layer_params(module) -> int:
     for m in module.modules():
         largest = max(largest, sum(getattr(p, "ds_numel", p.numel()) for p in m.parameters(recurse=False)))
     return largest
+
+
+def _fsdp_layout(strategy) -> Optional[dict]:
+    """FSDP2 only: the shard group's size and each FSDP module's parameter count (unsharded; the root's first),
+    what the gathered parameters of a module cost."""
+    units, shard_size = [], None
+    for state in _fsdp_states(strategy):
+        pairs = _fsdp_params(state)
+        if not pairs:
+            continue
+        units.append(sum(fp.sharded_param.numel() for _, fp in pairs))
+        mesh_info = getattr(pairs[0][0], "mesh_info", None)
+        shard_size = getattr(mesh_info, "shard_mesh_size", shard_size)
+    if not units:
+        return None
+    return {"shard_size": shard_size, "unit_params": units}
 
 
 def _mib(n: int) -> str:
@@ -381,7 +560,7 @@ def log_memory(run) -> bool:
     probe = _PROBES.pop(strategy, None) or _Probe(strategy)
     probe.close()
     probe.snap("after_step")
-    mine = dict(_peaks(probe.snapshots), rank=dist.get_rank() if dist.is_initialized() else 0,
+    mine = dict(_peaks(probe), rank=dist.get_rank() if dist.is_initialized() else 0,
                 points=probe.snapshots, errors=probe.errors, built_params=run.built_param_bytes)
     ranks = gather_memory(strategy, mine)  # every rank gets here, also when its measurements failed
     if not dist.is_initialized() or dist.get_rank() == 0:
@@ -390,6 +569,9 @@ def log_memory(run) -> bool:
                   "precision": run.cfg.precision.name, "num_params": run.num_params,
                   "largest_layer_params": _largest_layer_params(strategy.unwrapped()), "step": run.step,
                   "ranks": ranks}
+        layout = _fsdp_layout(strategy)
+        if layout is not None:
+            result["fsdp"] = layout
         path = os.path.join(run.run_dir, "memory.json")
         with open(path + ".tmp", "w") as fh:
             json.dump(result, fh, indent=1)
@@ -401,6 +583,6 @@ def log_memory(run) -> bool:
         run.logger.info(f"model-state memory per rank (MiB, max over {world} ranks, peaks in step {run.step}): "
                         f"params {_mib(top['params'])} | grads {_mib(top['grads'])} | optimizer "
                         f"{_mib(top['optimizer'])} | fp32 master {_mib(top['master_params'])} | model states "
-                        f"{_mib(top['model_states'])} | buffers {_mib(top['buffers'])} | other {_mib(top['other'])}"
-                        f" -> {path}")
+                        f"{_mib(top['model_states'])} | gathered params {_mib(top['gathered'])} | buffers "
+                        f"{_mib(top['buffers'])} | other {_mib(top['other'])} -> {path}")
     return False

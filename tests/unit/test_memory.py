@@ -1,5 +1,5 @@
-"""trainer/memory.py on the in-process strategies: exact byte counts from the live tensors, storage dedup, and the
-first-step probes of the training loop (memory.json)."""
+"""trainer/memory.py on the in-process strategies (single, ddp and fsdp at one rank): exact byte counts from the
+live tensors, storage dedup, and the first-step probes of the training loop (memory.json)."""
 from __future__ import annotations
 
 import json
@@ -107,3 +107,41 @@ def test_each_storage_counts_once_and_bucket_views_count_as_gradients():
     assert out["params"] == 400 and out["grads"] == 400 * 2 and out["buffers"] == 600 * 2
     assert out["total"] == 400 + 2000
     assert out["detail"]["grads"] == {"bucket (gradient views)": 800}
+
+
+def test_fsdp_counts_local_shards_and_gathered_parameters(build_run):
+    """FSDP2 at one rank (a shard group of 1): DTensor parameters, gradients and AdamW state are counted by their
+    local tensors, each storage once; nothing is gathered outside forward/backward; no master copy."""
+    run = build_run("fsdp", ["precision=bf16"])
+    params = list(run.strategy.unwrapped().parameters())
+    assert all(type(p).__name__ == "DTensor" for p in params)
+    psi = sum(p.numel() for p in params)
+    before = measure_model_states(run.strategy)
+    assert before["params"] == 4 * psi  # fp32 shards (the whole model at one rank)
+    assert before["grads"] == before["optimizer"] == before["master_params"] == before["gathered"] == 0
+
+    _one_step_keeping_grads(run)
+    m = measure_model_states(run.strategy)
+    step_scalars = 4 * len(params)
+    assert m["params"] == 4 * psi and m["grads"] == 4 * psi  # fp32 gradient shards (fp32 reduce)
+    assert m["optimizer"] == 8 * psi + step_scalars
+    assert m["master_params"] == m["gathered"] == m["other"] == 0  # resharded after backward
+    assert set(m["detail"]["grads"]) == {"sharded gradients (DTensor local shards)"}
+
+
+def test_the_loop_probes_fsdp_forward_and_backward(build_run):
+    from trainer.loop import fit
+
+    run = build_run("fsdp", ["precision=bf16"])
+    fit(run)
+    data = json.loads((Path(run.run_dir) / "memory.json").read_text())
+    (rank,) = data["ranks"]
+    psi, units = data["num_params"], data["fsdp"]["unit_params"]
+    assert data["fsdp"]["shard_size"] == 1 and sum(units) == psi
+    assert set(rank["points"]) == {"forward", "backward", "optimizer_step", "after_step"}
+    assert rank["errors"] == [] and rank["built_params"] == 0
+    # bf16 compute copies: the root (never resharded after forward) and one block at a time.
+    assert rank["gathered"] == 2 * (units[0] + max(units[1:])) and rank["peak_point"]["gathered"] == "forward"
+    assert rank["points"]["after_step"]["gathered"] == 0
+    assert rank["grads"] == 4 * psi and rank["peak_point"]["grads"] == "optimizer_step"
+    assert rank["model_states"] == rank["params"] + rank["grads"] + rank["optimizer"] + rank["master_params"]
