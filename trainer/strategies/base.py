@@ -205,7 +205,21 @@ class Strategy:
             set_model_state_dict(self.model, state["model"])
             return
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict={"state": state["optim"], "param_groups": param_groups})
+                       optim_state_dict={"state": state["optim"], "param_groups": self._my_groups(param_groups)})
+
+    def _my_groups(self, saved: list) -> list:
+        """The saved param groups' hyper-parameters under this rank's parameter names. Rank 0 wrote the groups
+        with its own names; where ranks hold different parameters (pipeline stages) a group is matched by a
+        shared name, else by its weight decay (the only hyper-parameter that tells Tessera's groups apart)."""
+        mine = self.optimizer_param_groups()
+        out = []
+        for group in mine:
+            names = set(group["params"])
+            match = next((g for g in saved if names & set(g["params"])), None)
+            if match is None:
+                match = next((g for g in saved if g.get("weight_decay") == group.get("weight_decay")), group)
+            out.append(dict(match, params=list(group["params"])))
+        return out
 
     def close(self) -> None:
         """Release the parallel model before the process group goes (wrappers that hold communication

@@ -1,0 +1,279 @@
+"""Tensor and pipeline parallelism and their hybrids (strategy=tp / pp / fsdp_tp / pp_fsdp / 3d) through torchrun
+on CPU (gloo): parity with one process under gradient accumulation (every pipeline schedule), evaluation through
+the pipeline, DCP checkpoints with exact resume and resume under other degrees, HF export, and a pretrained
+model split by its config's tensor-parallel plan."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.integration.conftest import REPO, SMALL, launch, metrics, ok, read_jsonl, rel_err
+
+# SMALL with 4 decoder blocks, so that the looped / V-shaped schedules (2 stages per rank x 2 ranks) get a
+# block per stage. Global batch 8, 10 steps, fp32; nothing written that the test does not read.
+MODEL = [o for o in SMALL if not o.startswith("model.num_layers=")] + ["model.num_layers=4"]
+TEN = MODEL + ["train.max_steps=10", "train.log_every=1", "train.global_batch_size=8", "eval.every=0",
+               "eval.at_end=false", "export.hf_at_end=false", "checkpoint.at_end=false"]
+# The shared runs (and their resumptions): checkpoints and evaluation at steps 5 and 10.
+SAVE = ["checkpoint.every=5", "checkpoint.keep_last=0", "eval.every=5"]
+# What the shared runs add at the end: the final checkpoint and the HF export.
+AT_END = ["checkpoint.at_end=true", "eval.at_end=true", "export.hf_at_end=true"]
+
+SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"]
+# Each launch costs ~10-30 s of start-up on 2 cores: these three run with -m slow only.
+SLOW_SCHEDULES = {"looped_bfs", "interleaved_zb", "dualpipev"}
+# The schedule of the shared pp run: V-shaped, so rank 0 holds the first and the last stage (0 and 3) and rank 1
+# the middle ones; evaluation, checkpoints and the export all go through two stages per rank.
+PP_SHARED = "zbv"
+
+
+def _launch_checked(run_dir, overrides, nproc, strategy, dp, timeout=300):
+    proc = launch("torchrun", overrides, run_dir, nproc=nproc, timeout=timeout)
+    ok(proc)
+    out = proc.stdout + proc.stderr
+    assert f"strategy {strategy} world {nproc} (dp {dp})" in out, out[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One process, micro 2 (accumulation 4), evaluated at steps 5 and 10: the curves every run must reproduce."""
+    run_dir = tmp_path_factory.mktemp("single")
+    ok(launch("python", TEN + ["strategy=single", "train.micro_batch_size=2", "eval.every=5"], run_dir))
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def tp_run(tmp_path_factory):
+    """tp at world size 2, micro 2 (accumulation 4): checkpoints at steps 5 and 10, evaluation at 5 and 10, HF
+    export at the end. Serves the parity, checkpoint and export tests."""
+    run_dir = tmp_path_factory.mktemp("tp2")
+    _launch_checked(run_dir, TEN + SAVE + AT_END + ["strategy=tp", "train.micro_batch_size=2"], 2, "tp", 1)
+    for step in (5, 10):
+        assert (run_dir / "checkpoints" / f"step_{step}" / "COMPLETE.json").is_file()
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def pp_run(tmp_path_factory):
+    """pp at world size 2 with the zbv schedule, micro 2 (4 micro-batches per step, 4 stages): like tp_run."""
+    run_dir = tmp_path_factory.mktemp("pp2")
+    _launch_checked(run_dir, TEN + SAVE + AT_END + ["strategy=pp", f"strategy.pp_schedule={PP_SHARED}",
+                                                    "train.micro_batch_size=2"], 2, "pp", 1)
+    for step in (5, 10):
+        assert (run_dir / "checkpoints" / f"step_{step}" / "COMPLETE.json").is_file()
+    return run_dir
+
+
+def _max_errors(recs, reference):
+    """Max relative loss and grad-norm errors over the steps of `recs` (the reference may hold more steps)."""
+    ref = {r["step"]: r for r in reference}
+    assert recs and all(r["step"] in ref for r in recs), [r["step"] for r in recs]
+    return (max(rel_err(r["loss"], ref[r["step"]]["loss"]) for r in recs),
+            max(rel_err(r["grad_norm"], ref[r["step"]]["grad_norm"]) for r in recs))
+
+
+def _check_parity(name, recs, reference, tol=1e-4, steps=10):
+    assert [r["step"] for r in recs] == [r["step"] for r in reference] == list(range(1, steps + 1))
+    loss_err, norm_err = _max_errors(recs, reference)
+    print(f"{name}: max relative loss error {loss_err:.2e}, grad-norm error {norm_err:.2e}")
+    assert loss_err < tol and norm_err < tol, (loss_err, norm_err)
+    return loss_err, norm_err
+
+
+# ---- parity with one process ---------------------------------------------------------------------------------
+def test_tp_ws2_with_accumulation_matches_single_process(reference, tp_run):
+    """Also shows that saving, evaluating and exporting do not disturb training."""
+    _check_parity("tp-ws2 (accumulation 4)", metrics(tp_run), metrics(reference))
+
+
+@pytest.mark.parametrize("schedule", [pytest.param(s, marks=pytest.mark.slow) if s in SLOW_SCHEDULES else s
+                                      for s in SCHEDULES])
+def test_pp_ws2_schedule_matches_single_process(reference, request, tmp_path, schedule):
+    """Every pipeline schedule, 4 micro-batches per step (gpipe / 1f1b: one stage per rank; interleaved_1f1b,
+    looped_bfs, interleaved_zb: 2 looped stages per rank; zbv, dualpipev: 2 V-shaped stages per rank)."""
+    if schedule == PP_SHARED:
+        run_dir = request.getfixturevalue("pp_run")
+    else:
+        run_dir = tmp_path
+        _launch_checked(run_dir, TEN + ["strategy=pp", f"strategy.pp_schedule={schedule}",
+                                        "train.micro_batch_size=2"], 2, "pp", 1)
+    _check_parity(f"pp-{schedule} ws2 (4 micro-batches)", metrics(run_dir), metrics(reference))
+
+
+HYBRIDS = [
+    # (id, strategy, nproc, dp, micro, extra overrides)
+    pytest.param(("fsdp_tp-ws4 (dp_shard 2 x tp 2)", "fsdp_tp", 4, 2, 2, ["strategy.tp=2"]), id="fsdp_tp-ws4"),
+    pytest.param(("pp_fsdp-ws4 (pp 2 x dp_shard 2)", "pp_fsdp", 4, 2, 2, ["strategy.pp=2"]), id="pp_fsdp-ws4"),
+    pytest.param(("3d-ws8 (pp 2 x dp_shard 2 x tp 2)", "3d", 8, 2, 1, []), id="3d-ws8", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("case", HYBRIDS)
+def test_hybrid_layouts_match_single_process(reference, tmp_path, case):
+    """2-D and 3-D meshes with accumulation: 2 micro-batches per step at ws4, 4 at ws8 (micro 1)."""
+    name, strategy, nproc, dp, micro, extra = case
+    _launch_checked(tmp_path, TEN + [f"strategy={strategy}", f"train.micro_batch_size={micro}"] + extra, nproc,
+                    strategy, dp, timeout=900 if nproc > 4 else 600)
+    _check_parity(name, metrics(tmp_path), metrics(reference))
+
+
+# ---- evaluation ----------------------------------------------------------------------------------------------
+def test_pp_eval_matches_single_process(reference, pp_run):
+    """Evaluation runs forward through the stages (hidden states sent between ranks both ways of the V): the
+    validation loss at steps 5 and 10 is the one process's."""
+    ref = read_jsonl(reference / "eval.jsonl")
+    got = read_jsonl(pp_run / "eval.jsonl")
+    assert [r["step"] for r in got] == [r["step"] for r in ref] == [5, 10], (got, ref)
+    errs = [rel_err(g["val_loss"], r["val_loss"]) for g, r in zip(got, ref)]
+    print(f"pp-{PP_SHARED} ws2 eval: val loss {[round(g['val_loss'], 6) for g in got]} vs single's "
+          f"{[round(r['val_loss'], 6) for r in ref]} (max relative error {max(errs):.2e})")
+    assert max(errs) < 1e-5, (got, ref)
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------------------
+def _resume(first, strategy_args, nproc, micro, run_dir, strategy, dp):
+    out = _launch_checked(run_dir, TEN + SAVE + strategy_args + [
+        f"train.micro_batch_size={micro}", f"checkpoint.resume={first / 'checkpoints' / 'step_5'}"],
+        nproc, strategy, dp)
+    assert "resumed from" in out and "at step 5" in out, out[-3000:]
+    recs = metrics(run_dir)
+    assert [r["step"] for r in recs] == [6, 7, 8, 9, 10]
+    return recs
+
+
+def _check_bit_exact(name, first, recs, run_dir):
+    before = {r["step"]: (r["loss"], r["grad_norm"]) for r in metrics(first)}
+    got = {r["step"]: (r["loss"], r["grad_norm"]) for r in recs}
+    val_before = {r["step"]: r["val_loss"] for r in read_jsonl(first / "eval.jsonl")}
+    val_got = {r["step"]: r["val_loss"] for r in read_jsonl(run_dir / "eval.jsonl")}
+    print(f"{name} resume from step 5: {sum(got[s] == before[s] for s in got)}/{len(got)} steps bit-identical, "
+          f"val loss at step 10 {val_got.get(10)} vs {val_before[10]}")
+    assert all(got[s] == before[s] for s in got), (got, before)
+    assert val_got == {10: val_before[10]}, (val_got, val_before)
+
+
+def _check_close(name, first, recs, run_dir, tol=1e-5):
+    loss_err, norm_err = _max_errors(recs, metrics(first))
+    val_got, val_before = (read_jsonl(d / "eval.jsonl")[-1] for d in (run_dir, first))
+    assert val_got["step"] == val_before["step"] == 10, (val_got, val_before)
+    val_err = rel_err(val_got["val_loss"], val_before["val_loss"])
+    print(f"{name} resume from step 5: max relative loss error {loss_err:.2e}, grad-norm error {norm_err:.2e}, "
+          f"val loss at step 10 {val_err:.2e}")
+    assert loss_err < tol and norm_err < tol and val_err < tol, (loss_err, norm_err, val_err)
+
+
+def test_pp_resume_is_bit_exact(pp_run, tmp_path):
+    """Same layout: rank 1 (stages 1 and 2) holds no parameter that rank 0 holds, so its optimizer state and
+    hyper-parameters must come back by its own parameters' names."""
+    recs = _resume(pp_run, ["strategy=pp", f"strategy.pp_schedule={PP_SHARED}"], 2, 2, tmp_path, "pp", 1)
+    _check_bit_exact(f"pp-{PP_SHARED} ws2", pp_run, recs, tmp_path)
+
+
+def test_tp_resume_is_bit_exact(tp_run, tmp_path):
+    recs = _resume(tp_run, ["strategy=tp"], 2, 2, tmp_path, "tp", 1)
+    _check_bit_exact("tp ws2", tp_run, recs, tmp_path)
+
+
+RESHARDS = [
+    # (id, saved by, strategy overrides, nproc, micro, strategy, dp)
+    ("tp2-to-pp2", "tp_run", ["strategy=pp", "strategy.pp_schedule=1f1b"], 2, 2, "pp", 1),
+    ("tp2-to-fsdp2", "tp_run", ["strategy=fsdp"], 2, 2, "fsdp", 2),
+    ("pp2-to-tp2", "pp_run", ["strategy=tp"], 2, 2, "tp", 1),
+]
+
+
+@pytest.mark.parametrize("case", RESHARDS, ids=[c[0] for c in RESHARDS])
+def test_checkpoint_resumes_under_other_degrees(request, tmp_path, case):
+    """DCP with the full model's parameter names: a checkpoint of tensor shards resumes as pipeline stages or as
+    FSDP shards, and one of pipeline stages (saved by two stages per rank) as tensor shards."""
+    name, saved_by, args, nproc, micro, strategy, dp = case
+    first = request.getfixturevalue(saved_by)
+    recs = _resume(first, args, nproc, micro, tmp_path, strategy, dp)
+    _check_close(name, first, recs, tmp_path)
+
+
+# ---- export --------------------------------------------------------------------------------------------------
+def _val_loss(model, run_dir):
+    """The trainer's evaluation (eval.max_sequences of the validation split, token-weighted CE), recomputed on
+    one process with `model`."""
+    import numpy as np
+    import torch.nn.functional as F
+
+    from tests.conftest import compose_config
+    from trainer import build as B
+    from trainer.data.datasets import IGNORE
+
+    cfg = compose_config(TEN + ["strategy=single", "train.micro_batch_size=2"])
+    val = B.prepare(cfg, str(run_dir)).data.val
+    n = min(len(val), cfg.eval.max_sequences) if cfg.eval.max_sequences else len(val)
+    idx = np.arange(n)
+    batch = val.get(idx)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], use_cache=False).logits
+    ce = F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE,
+                         reduction="sum")
+    return ce.item() / float(val.count_targets(idx))
+
+
+IDS = torch.tensor([[3, 14, 15, 92, 65, 256, 35, 89]])
+
+
+@pytest.mark.parametrize("which", ["tp_run", "pp_run"])
+def test_export_logits_equal_trained_model(request, tmp_path, which):
+    """hf/ (written at the end of the run, one parameter gathered at a time from whichever tensor shard or
+    pipeline stage holds it) and `python -m trainer.export` of the final DCP checkpoint give the same logits, and
+    the exported model's validation loss is the one the trainer measured on its split model after the last
+    step."""
+    from transformers import AutoModelForCausalLM
+
+    run_dir = request.getfixturevalue(which)
+    name = "tp-ws2" if which == "tp_run" else f"pp-{PP_SHARED}-ws2"
+    proc = subprocess.run([sys.executable, "-m", "trainer.export", str(run_dir / "checkpoints" / "step_10"),
+                           str(tmp_path / "exported")], check=False, cwd=REPO, capture_output=True, text=True,
+                          timeout=180)
+    ok(proc)
+    at_end = AutoModelForCausalLM.from_pretrained(run_dir / "hf").eval()
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported").eval()
+    assert at_end.config.num_hidden_layers == 4
+    with torch.no_grad():
+        la, lb = at_end(IDS).logits, exported(IDS).logits
+    print(f"{name} export: max |hf/ - trainer.export| logit difference {(la - lb).abs().max().item():.2e}")
+    torch.testing.assert_close(la, lb, rtol=0, atol=1e-6)
+
+    trained = read_jsonl(run_dir / "eval.jsonl")[-1]
+    assert trained["step"] == 10
+    got = _val_loss(at_end, tmp_path / "val")
+    err = rel_err(got, trained["val_loss"])
+    print(f"{name} export: val loss {got:.6f} vs trainer's {trained['val_loss']:.6f} (relative error {err:.2e})")
+    assert err < 1e-5, (got, trained["val_loss"])
+
+
+def test_tp_and_pp_exports_agree(tp_run, pp_run):
+    """The two layouts trained the same model: their exports give the same logits up to float rounding."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        lt = AutoModelForCausalLM.from_pretrained(tp_run / "hf").eval()(IDS).logits
+        lp = AutoModelForCausalLM.from_pretrained(pp_run / "hf").eval()(IDS).logits
+    print(f"tp-ws2 vs pp-{PP_SHARED}-ws2 exports: max logit difference {(lt - lp).abs().max().item():.2e}")
+    torch.testing.assert_close(lt, lp, rtol=0, atol=1e-4)
+
+
+# ---- pretrained weights --------------------------------------------------------------------------------------
+def test_tp_pretrained_model_matches_single_process(shared_data, tmp_path):
+    """model=hf (stories260K, Llama): split by its config's base_model_tp_plan (8 heads, 4 KV heads,
+    intermediate 172, vocabulary 512 over 2 ranks), each rank loading its slices; the same numbers as one
+    process over 5 steps."""
+    common = ["model=hf", f"model.name_or_path={shared_data / 'models' / 'stories260K-hf'}", "data=text",
+              f"data.path={shared_data / 'datasets' / 'tinyshakespeare.txt'}", "data.seq_len=64",
+              "scheduler.warmup_steps=1", "logging.progress=false", "train.max_steps=5", "train.log_every=1",
+              "train.global_batch_size=8", "train.micro_batch_size=2", "eval.every=0", "eval.at_end=false",
+              "export.hf_at_end=false", "checkpoint.at_end=false"]
+    ok(launch("python", common + ["strategy=single"], tmp_path / "single"))
+    _launch_checked(tmp_path / "tp", common + ["strategy=tp"], 2, "tp", 1)
+    _check_parity("tp pretrained stories260K ws2", metrics(tmp_path / "tp"), metrics(tmp_path / "single"),
+                  steps=5)
