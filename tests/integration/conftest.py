@@ -73,3 +73,35 @@ def metrics(run_dir) -> list:
 
 def rel_err(a, b) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
+
+
+def pretrained_overrides(shared_data) -> list:
+    """stories260K (Llama) on tinyshakespeare for 5 logged steps: the pretrained-model parity runs."""
+    return ["model=hf", f"model.name_or_path={shared_data / 'models' / 'stories260K-hf'}", "data=text",
+            f"data.path={shared_data / 'datasets' / 'tinyshakespeare.txt'}", "data.seq_len=64",
+            "scheduler.warmup_steps=1", "logging.progress=false", "train.max_steps=5", "train.log_every=1",
+            "train.global_batch_size=8", "train.micro_batch_size=2", "eval.every=0", "eval.at_end=false",
+            "export.hf_at_end=false", "checkpoint.at_end=false"]
+
+
+def val_loss(model, run_dir, overrides) -> float:
+    """The trainer's evaluation (eval.max_sequences of the validation split, token-weighted CE) of the run
+    configured by `overrides`, recomputed on one process with `model`."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    from tests.conftest import compose_config
+    from trainer import build as B
+    from trainer.data.datasets import IGNORE
+
+    cfg = compose_config(list(overrides) + ["strategy=single", "train.micro_batch_size=2"])
+    val = B.prepare(cfg, str(run_dir)).data.val
+    n = min(len(val), cfg.eval.max_sequences) if cfg.eval.max_sequences else len(val)
+    idx = np.arange(n)
+    batch = val.get(idx)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], use_cache=False).logits
+    ce = F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE,
+                         reduction="sum")
+    return ce.item() / float(val.count_targets(idx))

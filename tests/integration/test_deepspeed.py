@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.conftest import SHARED
-from tests.integration.conftest import REPO, SMALL, launch, metrics, ok, rel_err, run_group
+from tests.integration.conftest import REPO, SMALL, launch, metrics, ok, pretrained_overrides, rel_err, run_group
 
 TEN = SMALL + ["train.max_steps=10", "train.log_every=1", "train.global_batch_size=8", "eval.every=0",
                "eval.at_end=false", "export.hf_at_end=false", "checkpoint.at_end=false"]
@@ -145,11 +145,7 @@ def test_zero3_loads_pretrained_weights_partitioned(shared_data, tmp_path):
     parameters hold about half the model."""
     import json
 
-    common = ["model=hf", f"model.name_or_path={shared_data / 'models' / 'stories260K-hf'}", "data=text",
-              f"data.path={shared_data / 'datasets' / 'tinyshakespeare.txt'}", "data.seq_len=64",
-              "scheduler.warmup_steps=1", "logging.progress=false", "train.max_steps=5", "train.log_every=1",
-              "train.global_batch_size=8", "train.micro_batch_size=2", "eval.every=0", "eval.at_end=false",
-              "export.hf_at_end=false", "checkpoint.at_end=false"]
+    common = pretrained_overrides(shared_data)
     ok(launch("python", common + ["strategy=single"], tmp_path / "single"))
     proc = launch("deepspeed", common + ["strategy=zero3", "strategy.stage3_param_persistence_threshold=0"],
                   tmp_path / "zero3", nproc=2)

@@ -11,7 +11,8 @@ import sys
 import pytest
 import torch
 
-from tests.integration.conftest import REPO, SMALL, launch, metrics, ok, read_jsonl, rel_err
+from tests.integration.conftest import (
+    REPO, SMALL, launch, metrics, ok, pretrained_overrides, read_jsonl, rel_err, val_loss)
 
 # Global batch 8, 10 steps, fp32; nothing written that the test does not read.
 TEN = SMALL + ["train.max_steps=10", "train.log_every=1", "train.global_batch_size=8", "eval.every=0",
@@ -157,25 +158,7 @@ def test_hsdp_checkpoint_resumes_as_fsdp_ws2(hsdp_run, tmp_path):
 
 # ---- export --------------------------------------------------------------------------------------------------
 def _val_loss(model, run_dir):
-    """The trainer's evaluation (eval.max_sequences of the validation split, token-weighted CE), recomputed on
-    one process with `model`."""
-    import numpy as np
-    import torch.nn.functional as F
-
-    from tests.conftest import compose_config
-    from trainer import build as B
-    from trainer.data.datasets import IGNORE
-
-    cfg = compose_config(TEN + ["strategy=single", "train.micro_batch_size=2"])
-    val = B.prepare(cfg, str(run_dir)).data.val
-    n = min(len(val), cfg.eval.max_sequences) if cfg.eval.max_sequences else len(val)
-    idx = np.arange(n)
-    batch = val.get(idx)
-    with torch.no_grad():
-        logits = model(input_ids=batch["input_ids"], use_cache=False).logits
-    ce = F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE,
-                         reduction="sum")
-    return ce.item() / float(val.count_targets(idx))
+    return val_loss(model, run_dir, TEN)
 
 
 def test_export_logits_equal_trained_model(fsdp_run, tmp_path):
@@ -207,11 +190,7 @@ def test_export_logits_equal_trained_model(fsdp_run, tmp_path):
 def test_fsdp_loads_pretrained_weights_shard_by_shard(shared_data, tmp_path):
     """model=hf under fsdp: built on the meta device, each rank reads only its rows; the same numbers as one
     process, and each rank holds about half of the parameters."""
-    common = ["model=hf", f"model.name_or_path={shared_data / 'models' / 'stories260K-hf'}", "data=text",
-              f"data.path={shared_data / 'datasets' / 'tinyshakespeare.txt'}", "data.seq_len=64",
-              "scheduler.warmup_steps=1", "logging.progress=false", "train.max_steps=5", "train.log_every=1",
-              "train.global_batch_size=8", "train.micro_batch_size=2", "eval.every=0", "eval.at_end=false",
-              "export.hf_at_end=false", "checkpoint.at_end=false"]
+    common = pretrained_overrides(shared_data)
     ok(launch("python", common + ["strategy=single"], tmp_path / "single"))
     ok(launch("torchrun", common + ["strategy=fsdp"], tmp_path / "fsdp", nproc=2))
     ref, recs = metrics(tmp_path / "single"), metrics(tmp_path / "fsdp")

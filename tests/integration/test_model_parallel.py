@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from tests.integration.conftest import REPO, SMALL, launch, metrics, ok, read_jsonl, rel_err
+from tests.integration.conftest import (
+    REPO, SMALL, launch, metrics, ok, pretrained_overrides, read_jsonl, rel_err, val_loss)
 
 # SMALL with 4 decoder blocks, so that the looped / V-shaped schedules (2 stages per rank x 2 ranks) get a
 # block per stage. Global batch 8, 10 steps, fp32; nothing written that the test does not read.
@@ -198,25 +199,7 @@ def test_checkpoint_resumes_under_other_degrees(request, tmp_path, case):
 
 # ---- export --------------------------------------------------------------------------------------------------
 def _val_loss(model, run_dir):
-    """The trainer's evaluation (eval.max_sequences of the validation split, token-weighted CE), recomputed on
-    one process with `model`."""
-    import numpy as np
-    import torch.nn.functional as F
-
-    from tests.conftest import compose_config
-    from trainer import build as B
-    from trainer.data.datasets import IGNORE
-
-    cfg = compose_config(TEN + ["strategy=single", "train.micro_batch_size=2"])
-    val = B.prepare(cfg, str(run_dir)).data.val
-    n = min(len(val), cfg.eval.max_sequences) if cfg.eval.max_sequences else len(val)
-    idx = np.arange(n)
-    batch = val.get(idx)
-    with torch.no_grad():
-        logits = model(input_ids=batch["input_ids"], use_cache=False).logits
-    ce = F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE,
-                         reduction="sum")
-    return ce.item() / float(val.count_targets(idx))
+    return val_loss(model, run_dir, TEN)
 
 
 IDS = torch.tensor([[3, 14, 15, 92, 65, 256, 35, 89]])
@@ -268,11 +251,7 @@ def test_tp_pretrained_model_matches_single_process(shared_data, tmp_path):
     """model=hf (stories260K, Llama): split by its config's base_model_tp_plan (8 heads, 4 KV heads,
     intermediate 172, vocabulary 512 over 2 ranks), each rank loading its slices; the same numbers as one
     process over 5 steps."""
-    common = ["model=hf", f"model.name_or_path={shared_data / 'models' / 'stories260K-hf'}", "data=text",
-              f"data.path={shared_data / 'datasets' / 'tinyshakespeare.txt'}", "data.seq_len=64",
-              "scheduler.warmup_steps=1", "logging.progress=false", "train.max_steps=5", "train.log_every=1",
-              "train.global_batch_size=8", "train.micro_batch_size=2", "eval.every=0", "eval.at_end=false",
-              "export.hf_at_end=false", "checkpoint.at_end=false"]
+    common = pretrained_overrides(shared_data)
     ok(launch("python", common + ["strategy=single"], tmp_path / "single"))
     _launch_checked(tmp_path / "tp", common + ["strategy=tp"], 2, "tp", 1)
     _check_parity("tp pretrained stories260K ws2", metrics(tmp_path / "tp"), metrics(tmp_path / "single"),
