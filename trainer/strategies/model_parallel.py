@@ -170,7 +170,7 @@ class ModelParallelStrategy(FSDPStrategy):
         self.my_stages = stage_indices(self.pp_rank, d.pp, per_rank, v_shape) if d.pp > 1 else [0]
         layer_ranges = plans.stage_layers(self.model_info_layers(model), self.num_stages, s.pp_split_points)
         self.parts = []  # (stage index, HF model holding that stage's modules)
-        for k, stage in enumerate(self.my_stages):
+        for stage in self.my_stages:
             part = model if len(self.my_stages) == 1 else copy.deepcopy(model)
             if d.pp > 1:
                 self._cut(part, stage, layer_ranges[stage])
@@ -220,7 +220,7 @@ class ModelParallelStrategy(FSDPStrategy):
                 _set_module(part, path, nn.Identity())
 
     def _apply_tp(self, part, plan) -> None:
-        import fnmatch
+        import re
 
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
@@ -249,7 +249,7 @@ class ModelParallelStrategy(FSDPStrategy):
                                  f"does not apply (supported: {', '.join(styles)}); set strategy.tp=1")
             regex = pattern.replace(".", r"\.").replace("*", r"\d+")
             for n in names:
-                if fnmatch.fnmatch(n, pattern) and __import__("re").fullmatch(regex, n):
+                if re.fullmatch(regex, n):  # `*` stands for a layer index
                     resolved[n] = styles[style]()
         if sp:
             gather_at = {n.rpartition(".")[0] for n, st in resolved.items() if isinstance(st, ColwiseParallel)}
