@@ -18,8 +18,9 @@ drift in machine load hits both alike; the median is reported):
   `labels` + `shift_labels`, so HF's loss takes the same seq_len targets per sequence without its own shift),
   TrainingArguments with per_device_train_batch_size = micro-batch, gradient_accumulation_steps = global batch /
   (micro-batch x N), max_steps, bf16 (autocast) or fp32, AdamW with the same lr / betas / eps / weight decay
-  (`optim=adamw_torch`, the same torch.optim.AdamW as Tessera; HF's own default is `adamw_torch_fused`:
-  --hf-optim), the same max_grad_norm, a constant lr, logging every step as Tessera does; ddp via torchrun
+  (`--hf-optim match`, the default: `adamw_torch_fused` where Tessera's `optim.implementation` takes torch's
+  fused kernel, as it does by default on CPU and CUDA, else `adamw_torch`: the same torch.optim.AdamW kernel on
+  both sides; HF's own default is `adamw_torch_fused`), the same max_grad_norm, a constant lr, logging every step as Tessera does; ddp via torchrun
   (DistributedDataParallel with Tessera's bucket size), ZeRO rows with `deepspeed=<the DeepSpeed config Tessera
   generates for the row>` (trainer.strategies.deepspeed.build_ds_config: the same ZeRO stage, buckets, overlap,
   precision, clipping; no optimizer section, so HF hands its torch AdamW to DeepSpeed as Tessera does).
@@ -45,8 +46,9 @@ if HERE not in sys.path:
 import bench_collectives as BC  # noqa: E402
 
 ROWS = ("single", "ddp", "zero2", "zero3")
+# Three alternating repeats of 10 measured steps: one run's tokens/s on a shared 2-core machine moves by +-10%.
 DEFAULTS = dict(model="llama_100m", precision="bf16", rows="single,ddp,zero2,zero3", world_size=2, seq_len=64,
-                global_batch=4, micro_batch=1, warmup=2, steps=3, repeats=1)
+                global_batch=4, micro_batch=1, warmup=3, steps=10, repeats=3)
 QUICK = dict(model="tiny", precision="bf16", rows="single,ddp,zero2,zero3", world_size=2, seq_len=32,
              global_batch=4, micro_batch=1, warmup=3, steps=10, repeats=1)
 
@@ -99,6 +101,12 @@ def hf_worker(spec_path: str) -> None:
     probe.times["build_start"] = time.time()
     model = registry.build(cfg.model, info, t.seed)
     num_params = sum(p.numel() for p in model.parameters())
+    hf_optim = spec["hf_optim"]
+    if hf_optim == "match":  # the kernel Tessera's build_optimizer picks for these parameters
+        from trainer.optim import implementation_kwargs
+
+        fused = implementation_kwargs(cfg.optim.implementation, list(model.parameters())).get("fused")
+        hf_optim = "adamw_torch_fused" if fused else "adamw_torch"
     accum = t.global_batch_size // (t.micro_batch_size * world)
     ds_config = None
     if spec["row"].startswith("zero"):
@@ -126,7 +134,7 @@ def hf_worker(spec_path: str) -> None:
         output_dir=os.path.join(run_dir, "hf-out"), max_steps=t.max_steps,
         per_device_train_batch_size=t.micro_batch_size, gradient_accumulation_steps=accum,
         learning_rate=o.lr, weight_decay=o.weight_decay, adam_beta1=o.betas[0], adam_beta2=o.betas[1],
-        adam_epsilon=o.eps, max_grad_norm=t.grad_clip if t.grad_clip > 0 else 0.0, optim=spec["hf_optim"],
+        adam_epsilon=o.eps, max_grad_norm=t.grad_clip if t.grad_clip > 0 else 0.0, optim=hf_optim,
         lr_scheduler_type="constant", warmup_steps=0, bf16=cfg.precision.name == "bf16",
         fp16=cfg.precision.name == "fp16", logging_steps=t.log_every, logging_strategy="steps",
         save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True, seed=t.seed,
@@ -142,6 +150,11 @@ def hf_worker(spec_path: str) -> None:
     class Timing(TrainerCallback):
         def on_train_begin(self, args, state, control, **kw):
             probe.times["build_end"] = time.time()
+            if ds_config is not None and torch.distributed.is_initialized():
+                # DeepSpeed's CPU all-reduce leaves a ~66 MB /dev/shm file per rank behind (see the strategy).
+                from trainer.strategies.deepspeed import unlink_shared_memory_buffer
+
+                unlink_shared_memory_buffer()
 
         def on_step_begin(self, args, state, control, **kw):
             probe.mark(state.global_step + 1, "step")
@@ -178,7 +191,7 @@ def hf_worker(spec_path: str) -> None:
                        "tokens": tokens_per_step * len(step_times), "seconds": seconds,
                        "step_times_s": step_times, "measured_steps": len(step_times), "num_params": num_params,
                        "losses": losses, "transformers": transformers.__version__, "stack": stack,
-                       "optim": spec["hf_optim"], "deepspeed_config": ds_config,
+                       "optim": hf_optim, "deepspeed_config": ds_config,
                        "accelerate": _version("accelerate"), "deepspeed": _version("deepspeed")}, fh)
     # The Trainer leaves the process group up; a gloo group torn down at interpreter exit can abort a rank
     # ("terminate called without an active exception"), so close it here, together.
@@ -268,7 +281,7 @@ def row_precision(row: str, precision: str) -> tuple:
 
 
 def measure(rows, n, model, precision, seq_len, global_batch, micro_batch, warmup, steps, repeats, quick,
-            threads, work, timeout, hf_optim="adamw_torch", extra=(), log=print, log_dir=None) -> list:
+            threads, work, timeout, hf_optim="match", extra=(), log=print, log_dir=None) -> list:
     """One comparison row per entry of `rows`: Tessera and HF back to back (the order alternating per repeat)."""
     results = []
     for row in rows:
@@ -293,9 +306,12 @@ def measure(rows, n, model, precision, seq_len, global_batch, micro_batch, warmu
         hf = statistics.median(r["tokens_per_s"] for r in ok["hf"]) if ok["hf"] else None
         errors = {k: v[0]["error"] for k, v in sides.items() if v and "error" in v[0]}
         vol = {k: (v[0].get("collective_bytes_per_step") if v else None) for k, v in ok.items()}
+        # Each repeat's back-to-back pair, as a ratio: their spread shows how far the machine's noise reaches.
+        pairs = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(sides["tessera"], sides["hf"])
+                 if "error" not in a and "error" not in b and b["tokens_per_s"]]
         results.append({"row": row, "world_size": w, "threads": th, "precision": prec, "note": note,
                         "tessera_tokens_per_s": tess, "hf_tokens_per_s": hf,
-                        "ratio": tess / hf if tess and hf else None, "errors": errors,
+                        "ratio": tess / hf if tess and hf else None, "pair_ratios": pairs, "errors": errors,
                         "collective_bytes_per_step": vol, "runs": sides, "overrides": ov})
     return results
 
@@ -305,8 +321,8 @@ def fmtv(v) -> str:
 
 
 def table(results) -> str:
-    out = ["| row | N | precision | Tessera tok/s | HF Trainer tok/s | Tessera / HF | collectives / step MiB "
-           "(Tessera / HF) | HF stack | notes |", "|---|---|---|---|---|---|---|---|---|"]
+    out = ["| row | N | precision | Tessera tok/s | HF Trainer tok/s | Tessera / HF | per repeat | collectives / step "
+           "MiB (Tessera / HF) | HF stack | notes |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         hf_runs = [x for x in r["runs"]["hf"] if "error" not in x]
         stack = "accelerate" + (" + DeepSpeed" if r["row"].startswith("zero") else "")
@@ -321,8 +337,9 @@ def table(results) -> str:
         vol = r.get("collective_bytes_per_step") or {}
         vtxt = " / ".join(f"{vol[k] / 2**20:.2f}" if vol.get(k) is not None else "—" for k in ("tessera", "hf"))
         ratio = f"**{r['ratio']:.3f}**" if r["ratio"] else "—"
+        pairs = ", ".join(f"{x:.3f}" for x in r.get("pair_ratios") or []) or "—"
         out.append(f"| {r['row']} | {r['world_size']} | {r.get('precision', '')} | {fmtv(r['tessera_tokens_per_s'])} | "
-                   f"{fmtv(r['hf_tokens_per_s'])} | {ratio} | {vtxt} | {stack} | {notes} |")
+                   f"{fmtv(r['hf_tokens_per_s'])} | {ratio} | {pairs} | {vtxt} | {stack} | {notes} |")
     return "\n".join(out)
 
 
@@ -337,13 +354,14 @@ def parse_args(argv=None):
     ap.add_argument("--global-batch", type=int, help=f"sequences per optimizer step (default "
                                                      f"{DEFAULTS['global_batch']})")
     ap.add_argument("--micro-batch", type=int, help="sequences per rank per forward (default 1)")
-    ap.add_argument("--warmup", type=int, help="steps not measured (default 2)")
-    ap.add_argument("--steps", type=int, help="measured steps (default 3)")
-    ap.add_argument("--repeats", type=int, help="runs per side, order alternating (default 1)")
+    ap.add_argument("--warmup", type=int, help=f"steps not measured (default {DEFAULTS['warmup']})")
+    ap.add_argument("--steps", type=int, help=f"measured steps (default {DEFAULTS['steps']})")
+    ap.add_argument("--repeats", type=int, help=f"runs per side, order alternating (default {DEFAULTS['repeats']})")
     ap.add_argument("--threads", type=int, default=None,
                     help="OMP_NUM_THREADS per rank (default: CPU count / ranks)")
-    ap.add_argument("--hf-optim", default="adamw_torch",
-                    help="TrainingArguments.optim (default adamw_torch: the same torch AdamW as Tessera)")
+    ap.add_argument("--hf-optim", default="match",
+                    help="TrainingArguments.optim (default match: adamw_torch_fused where Tessera runs torch's fused "
+                         "AdamW kernel, else adamw_torch)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra Hydra override")
     ap.add_argument("--quick", action="store_true", help="debug-size model, 3 warm-up + 10 measured steps")
     ap.add_argument("--out", help="write the rows as JSON here")

@@ -47,10 +47,11 @@ ALL_STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "zero3_offload", "
                   "fsdp_tp", "pp_fsdp", "3d")
 DEFAULTS = dict(model="llama_100m", precision="bf16", seq_len=64, global_batch=4, micro_batch=1, warmup=2, steps=3,
                 world_sizes="1,2,4", strategies=",".join(ALL_STRATEGIES), peer_rows="single,ddp,zero2,zero3",
-                peer_world_size=2, sections=",".join(SECTIONS))
+                peer_world_size=2, peer_steps=10, peer_repeats=3, sections=",".join(SECTIONS))
 QUICK = dict(model="tiny", precision="bf16", seq_len=32, global_batch=2, micro_batch=1, warmup=3, steps=10,
              world_sizes="1,2", strategies="single,ddp,zero2,zero3,fsdp", peer_rows="single,ddp,zero2,zero3",
-             peer_world_size=2, sections="throughput,matrix,checkpoint,pipeline,peers")
+             peer_world_size=2, peer_steps=10, peer_repeats=1,
+             sections="throughput,matrix,checkpoint,pipeline,peers")
 QUICK_PAIRS = "single:1,ddp:2,zero2:2,zero3:2,fsdp:2"
 MIB, MB = 2**20, 1e6
 COLLECTIVES_TEXT = " ".join("""
@@ -355,8 +356,8 @@ class Suite:
 
         a = self.a
         rows = BP.measure(a.peer_row_list, a.peer_world_size, a.model, a.precision, a.seq_len, a.global_batch,
-                          a.micro_batch, a.warmup, a.steps, a.repeats, a.quick, a.threads, self.work, a.timeout,
-                          a.hf_optim, a.set, log=lambda m: log(m), log_dir=self.logs)
+                          a.micro_batch, a.warmup, a.peer_steps, a.peer_repeats, a.quick, a.threads, self.work,
+                          a.timeout, a.hf_optim, a.set, log=lambda m: log(m), log_dir=self.logs)
         return {"rows": rows}
 
     # ---- driver -----------------------------------------------------------------------------------------------
@@ -719,10 +720,13 @@ class Report:
             return
         sec = self.res["sections"]["peers"]
         rows = sec["rows"]
+        optims = sorted({x["optim"] for r in rows for x in r["runs"]["hf"] if x.get("optim")}) or [a.hf_optim]
         self.w(f"`benchmarks/bench_peers.py`: the same model (models.registry, same seeded weights), data (the same "
                f"packed sequences, seq_len {a.seq_len}), global batch {a.global_batch} (micro {a.micro_batch}), "
-               f"precision per row, {a.warmup} warm-up + {a.steps} measured steps, AdamW with the same "
-               f"hyper-parameters and implementation (`optim={a.hf_optim}`), clipping, constant lr, {a.threads} "
+               f"precision per row, {a.warmup} warm-up + {a.peer_steps} measured steps, {a.peer_repeats} repeat(s) "
+               f"per side (order alternating; medians, and each back-to-back pair's ratio), AdamW with the same "
+               f"hyper-parameters and kernel (HF `optim={'/'.join(optims)}`: torch's AdamW kernel that Tessera's "
+               f"`optim.implementation` picks), clipping, constant lr, {a.threads} "
                f"thread(s) per rank; ddp / zero rows at N = {a.peer_world_size}; Tessera and HF back to back per row. "
                f"HF: `transformers.Trainer` + accelerate; the ZeRO rows pass `TrainingArguments(deepspeed=<the "
                f"DeepSpeed config Tessera generates for the row>)`. tokens/s = target tokens of the measured steps / "
@@ -771,14 +775,16 @@ def parse_args(argv=None):
     ap.add_argument("--micro-batch", type=int, help="sequences per rank per forward (default 1)")
     ap.add_argument("--warmup", type=int, help="steps not measured (default 2; --quick 3)")
     ap.add_argument("--steps", type=int, help="measured steps (default 3; --quick 10)")
-    ap.add_argument("--repeats", type=int, default=1, help="repeats of the throughput / peer / checkpoint "
+    ap.add_argument("--repeats", type=int, default=1, help="repeats of the throughput / checkpoint "
                                                            "measurements (default 1)")
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per rank (default 1: no rank "
                                                            "oversubscribes a core, stable on a shared machine)")
     ap.add_argument("--peer-rows", help="of single,ddp,zero2,zero3 (default all)")
     ap.add_argument("--peer-world-size", type=int, help="ranks of the ddp / zero peer rows (default 2)")
-    ap.add_argument("--hf-optim", default="adamw_torch", help="the HF Trainer's optim (default adamw_torch, the same "
-                                                              "torch.optim.AdamW Tessera uses)")
+    ap.add_argument("--peer-steps", type=int, help="measured steps of each peer run (default 10)")
+    ap.add_argument("--peer-repeats", type=int, help="peer runs per side, order alternating (default 3; --quick 1)")
+    ap.add_argument("--hf-optim", default="match", help="the HF Trainer's optim (default match: the torch AdamW "
+                                                        "kernel Tessera uses, fused on CPU and CUDA)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="extra Hydra override for every matrix and peer run")
     ap.add_argument("--out-dir", help="default outputs/bench/<date-time>")

@@ -112,6 +112,8 @@ class OptimConfig:
     eps: float = 1e-8
     momentum: float = 0.9  # sgd
     nesterov: bool = False  # sgd
+    # Kernel: auto (fused where every parameter allows it, else torch's default) | fused | foreach | for_loop.
+    implementation: str = "auto"
 
 
 @dataclass
@@ -209,6 +211,7 @@ CHOICES = {
     "model.kind": ("llama", "gpt2", "hf"),
     "data.kind": ("embedded", "text", "hub", "sft"),
     "optim.name": ("adamw", "sgd"),
+    "optim.implementation": ("auto", "fused", "foreach", "for_loop"),
     "scheduler.name": ("constant", "linear", "cosine"),
     "precision.name": ("fp32", "bf16", "fp16"),
     "train.activation_checkpointing": ("none", "full"),

@@ -52,7 +52,7 @@ def fit(run) -> None:
             record = {"step": run.step, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
                       "tokens": run.tokens_seen, "tokens_per_s": tok_s, "seq_tokens_per_s": seq_tok_s,
                       "epoch": run.sampler.epoch_of(k), "skipped_steps": run.skipped_steps,
-                      "peak_mem_gib": peak_memory_gib(run.device)}
+                      "peak_mem_gib": peak_memory_gib(run.device), "time": round(time.time(), 3)}
             if strategy.precision.loss_scale is not None:
                 record["loss_scale"] = strategy.precision.loss_scale
             if peak:

@@ -65,6 +65,9 @@ def test_suite_quick_slice_writes_report_and_plots(tmp_path):
     assert not peer["errors"], peer["errors"]
     assert _finite_positive(peer["tessera_tokens_per_s"]) and _finite_positive(peer["hf_tokens_per_s"])
     assert _finite_positive(peer["ratio"])
+    assert len(peer["pair_ratios"]) == 1 and abs(peer["pair_ratios"][0] - peer["ratio"]) < 1e-9  # one repeat
+    # HF runs the AdamW kernel Tessera picks by default (optim.implementation=auto: fused on CPU).
+    assert peer["runs"]["hf"][0]["optim"] == "adamw_torch_fused"
     pngs = sorted(p.name for p in out.glob("*.png"))
     if plots:
         assert {"matrix_tokens.png", "collectives.png", "peers.png"} <= set(pngs), pngs

@@ -10,7 +10,7 @@ from tests.integration.conftest import SMALL, launch, metrics, ok, rel_err
 
 STEPS = ["train.max_steps=6", "train.log_every=1", "train.global_batch_size=8", "train.micro_batch_size=2",
          "eval.every=3", "scheduler.warmup_steps=2"]
-REQUIRED = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "skipped_steps", "peak_mem_gib"}
+REQUIRED = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "skipped_steps", "peak_mem_gib", "time"}
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +33,12 @@ def test_launcher_trains_and_writes_outputs(runs, launcher):
     for r in recs:
         assert REQUIRED <= set(r), set(r)
     assert recs[-1]["tokens"] == 6 * 8 * 32  # 6 steps x 8 sequences x 32 target tokens
+    # Wall-clock time of each logged step (Unix seconds): in order, after the run wrote its config and before
+    # metrics.jsonl was last written.
+    times = [r["time"] for r in recs]
+    written = ((run_dir / "config.yaml").stat().st_mtime, (run_dir / "metrics.jsonl").stat().st_mtime)
+    assert times == sorted(times) and written[0] - 0.01 <= times[0] and times[-1] <= written[1] + 0.01, \
+        (times, written)
     assert "val_loss" in recs[2] and "val_loss" in recs[5]
     assert (run_dir / "config.yaml").is_file()
     assert (run_dir / "hf" / "model.safetensors").is_file()

@@ -137,3 +137,46 @@ def test_sgd_options():
 def test_unknown_optimizer_raises():
     with pytest.raises(ValueError, match="optim.name='lion'"):
         build_optimizer(_cfg(name="lion"), [("w", torch.nn.Parameter(torch.ones(2, 2)))])
+
+
+def _kernel(opt):
+    return {k: opt.defaults.get(k) for k in ("fused", "foreach")}
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_auto_takes_the_fused_kernel_on_cpu_and_the_choice_is_configurable(name):
+    w = torch.nn.Parameter(torch.ones(3, 3))
+    assert _kernel(build_optimizer(_cfg(name=name), [("w", w)]))["fused"] is True  # auto
+    assert _kernel(build_optimizer(_cfg(name=name, implementation="for_loop"), [("w", w)])) == \
+        {"fused": None, "foreach": False}
+    assert _kernel(build_optimizer(_cfg(name=name, implementation="foreach"), [("w", w)]))["foreach"] is True
+
+
+def test_auto_falls_back_where_a_parameter_has_no_fused_kernel():
+    meta = torch.nn.Parameter(torch.ones(2, 2, device="meta"))
+    opt = build_optimizer(_cfg(name="adamw"), [("w", meta)])
+    assert not opt.defaults.get("fused")
+
+
+def test_fused_and_for_loop_adamw_take_the_same_steps():
+    torch.manual_seed(0)
+    start = torch.randn(64, 32)
+    grads = [torch.randn(64, 32) for _ in range(5)]
+    finals = {}
+    for impl in ("fused", "for_loop"):
+        w = torch.nn.Parameter(start.clone())
+        opt = build_optimizer(_cfg(name="adamw", lr=0.01, weight_decay=0.1, implementation=impl), [("w", w)])
+        for g in grads:
+            w.grad = g.clone()
+            opt.step()
+        finals[impl] = w.detach()
+    moved = (finals["for_loop"] - start).abs().max().item()
+    assert moved > 0.04  # five steps of lr 0.01 moved the weights
+    assert (finals["fused"] - finals["for_loop"]).abs().max().item() < 1e-6 * moved * 100
+
+
+def test_unknown_implementation_is_a_config_problem():
+    from trainer.config import validate
+
+    cfg = _cfg(implementation="triton")
+    assert any("optim.implementation='triton'" in p for p in validate(cfg, 1))

@@ -155,7 +155,7 @@ def build_ds_config(cfg, dp_size: int) -> tuple:
     return ds, problems
 
 
-def _unlink_shared_memory_buffer() -> None:
+def unlink_shared_memory_buffer() -> None:
     """DeepSpeed's CPU all-reduce maps one shared-memory file per rank (/dev/shm/deepspeed_allreduce_buffer_
     <uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>) and never removes it: ~66 MB leaked per rank and run. Once every
     rank has mapped its peers' files (DeepSpeed's backend start-up, done before the barrier), each rank
@@ -233,7 +233,7 @@ class DeepSpeedStrategy(Strategy):
         model = model.to(self.device)
         optimizer = build_optimizer(model.named_parameters())
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config)
-        _unlink_shared_memory_buffer()
+        unlink_shared_memory_buffer()
         self.model = self.engine
         # Tessera's lr schedule drives the param groups of the client optimizer, which ZeRO steps.
         self.optimizer = optimizer

@@ -16,6 +16,7 @@ from typing import List
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from trainer.strategies.base import Strategy
 
@@ -64,12 +65,10 @@ class FSDPStrategy(Strategy):
         # FSDP casts the gathered parameters itself: no autocast on top (fp16 keeps its loss scaler).
         precision.autocast_dtype = None
         if precision.scaler is not None:
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
             p = cfg.precision
-            precision.scaler = ShardedGradScaler(device.type, init_scale=p.init_scale, growth_factor=p.growth_factor,
-                                                 backoff_factor=p.backoff_factor, growth_interval=p.growth_interval,
-                                                 process_group=None)
+            precision.scaler = ScalarFoundInfScaler(device.type, init_scale=p.init_scale,
+                                                    growth_factor=p.growth_factor, backoff_factor=p.backoff_factor,
+                                                    growth_interval=p.growth_interval, process_group=None)
 
     # ---- construction: parameters on the meta device, buffers real ----------------------------------------
     loads_pretrained_weights = True  # pretrained weights come to load_initial_weights, read shard by shard
@@ -201,3 +200,14 @@ def _write(target: torch.Tensor, read) -> None:
         return
     index = tuple(slice(o, o + n) for o, n in zip(offset, shape)) if target.dim() else None
     local.copy_(read(index).reshape(local.shape))
+
+
+class ScalarFoundInfScaler(ShardedGradScaler):
+    """ShardedGradScaler with its found-inf flags 0-d, as torch.amp.GradScaler keeps them: it makes them shape
+    (1,), and torch's fused optimizers subtract the flag from their 0-d step counters in place, which fails
+    ("output with shape [] doesn't match the broadcast shape [1]")."""
+
+    def unscale_(self, optimizer) -> None:
+        super().unscale_(optimizer)
+        state = self._per_optimizer_states[id(optimizer)]
+        state["found_inf_per_device"] = {d: f.reshape(()) for d, f in state["found_inf_per_device"].items()}
