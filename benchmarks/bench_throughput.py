@@ -16,8 +16,9 @@ is reported:
   their summed time.
 * bare: this script in worker mode. The same config (composed by Hydra from the same overrides), the same
   model from models.registry (same seed), AdamW with the same lr/betas/eps/weight decay (decay on matrices
-  only, as the trainer does), the same global batch, micro-batch and gradient accumulation over the run's own
-  training sequences (--bare-data random: random token ids), all cut into micro-batches before the loop;
+  only, as the trainer does) and the same kernel (`optim.implementation`: torch's fused one by default), the
+  same global batch, micro-batch and gradient accumulation over the run's own training sequences (--bare-data
+  random: random token ids), all cut into micro-batches before the loop;
   forward (use_cache=False) -> summed cross entropy / tokens -> backward -> clip_grad_norm_ -> step ->
   zero_grad. It is timed the same way: windows of `log_every` steps closed by a host sync, warm-up dropped.
 
@@ -115,7 +116,10 @@ def bare_worker(spec_path: str) -> None:
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [g for g in ({"params": decay, "weight_decay": o.weight_decay},
                           {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
-    opt = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps)
+    from trainer.optim import implementation_kwargs  # the kernel the trainer's config picks (fused by default)
+
+    opt = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                            **implementation_kwargs(o.implementation, decay + no_decay))
 
     p = cfg.precision
     amp_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[p.name]

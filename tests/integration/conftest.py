@@ -105,3 +105,34 @@ def val_loss(model, run_dir, overrides) -> float:
     ce = F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE,
                          reduction="sum")
     return ce.item() / float(val.count_targets(idx))
+
+
+EXPORT_IDS = [[3, 14, 15, 92, 65, 256, 35, 89]]
+
+
+def check_export(run_dir, tmp_path, overrides, name: str, final_step: int = 10):
+    """hf/ (written at the end of the run) and `python -m trainer.export` of the final checkpoint give the same
+    logits, and the exported model's validation loss is the one the trainer measured after the last step.
+    Returns the model loaded from hf/."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    proc = subprocess.run([sys.executable, "-m", "trainer.export", str(run_dir / "checkpoints" / f"step_{final_step}"),
+                           str(tmp_path / "exported")], check=False, cwd=REPO, capture_output=True, text=True,
+                          timeout=180)
+    ok(proc)
+    at_end = AutoModelForCausalLM.from_pretrained(run_dir / "hf").eval()
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported").eval()
+    ids = torch.tensor(EXPORT_IDS)
+    with torch.no_grad():
+        la, lb = at_end(ids).logits, exported(ids).logits
+    print(f"{name} export: max |hf/ - trainer.export| logit difference {(la - lb).abs().max().item():.2e}")
+    torch.testing.assert_close(la, lb, rtol=0, atol=1e-6)
+
+    trained = read_jsonl(run_dir / "eval.jsonl")[-1]
+    assert trained["step"] == final_step
+    got = val_loss(at_end, tmp_path / "val", overrides)
+    err = rel_err(got, trained["val_loss"])
+    print(f"{name} export: val loss {got:.6f} vs trainer's {trained['val_loss']:.6f} (relative error {err:.2e})")
+    assert err < 1e-5, (got, trained["val_loss"])
+    return at_end

@@ -5,14 +5,11 @@ loaded shard by shard."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
-import torch
 
 from tests.integration.conftest import (
-    REPO, SMALL, launch, metrics, ok, pretrained_overrides, read_jsonl, rel_err, val_loss)
+    SMALL, check_export, launch, metrics, ok, pretrained_overrides, rel_err)
 
 # Global batch 8, 10 steps, fp32; nothing written that the test does not read.
 TEN = SMALL + ["train.max_steps=10", "train.log_every=1", "train.global_batch_size=8", "eval.every=0",
@@ -157,33 +154,11 @@ def test_hsdp_checkpoint_resumes_as_fsdp_ws2(hsdp_run, tmp_path):
 
 
 # ---- export --------------------------------------------------------------------------------------------------
-def _val_loss(model, run_dir):
-    return val_loss(model, run_dir, TEN)
-
-
 def test_export_logits_equal_trained_model(fsdp_run, tmp_path):
     """hf/ (written at the end of the run, one sharded parameter gathered at a time) and `python -m
     trainer.export` of the final DCP checkpoint give the same logits, and the exported model's validation loss
     is the one the trainer measured on its sharded model after the last step."""
-    from transformers import AutoModelForCausalLM
-
-    proc = subprocess.run([sys.executable, "-m", "trainer.export", str(fsdp_run / "checkpoints" / "step_10"),
-                           str(tmp_path / "exported")], cwd=REPO, capture_output=True, text=True, timeout=180)
-    ok(proc)
-    at_end = AutoModelForCausalLM.from_pretrained(fsdp_run / "hf").eval()
-    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported").eval()
-    ids = torch.tensor([[3, 14, 15, 92, 65, 256, 35, 89]])
-    with torch.no_grad():
-        la, lb = at_end(ids).logits, exported(ids).logits
-    print(f"fsdp-ws2 export: max |hf/ - trainer.export| logit difference {(la - lb).abs().max().item():.2e}")
-    torch.testing.assert_close(la, lb, rtol=0, atol=1e-6)
-
-    trained = read_jsonl(fsdp_run / "eval.jsonl")[-1]
-    assert trained["step"] == 10
-    got = _val_loss(at_end, tmp_path / "val")
-    err = rel_err(got, trained["val_loss"])
-    print(f"fsdp-ws2 export: val loss {got:.6f} vs trainer's {trained['val_loss']:.6f} (relative error {err:.2e})")
-    assert err < 1e-5, (got, trained["val_loss"])
+    check_export(fsdp_run, tmp_path, TEN, "fsdp-ws2")
 
 
 # ---- pretrained weights --------------------------------------------------------------------------------------

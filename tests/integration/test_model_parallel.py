@@ -4,14 +4,11 @@ the pipeline, DCP checkpoints with exact resume and resume under other degrees, 
 model split by its config's tensor-parallel plan."""
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from tests.integration.conftest import (
-    REPO, SMALL, launch, metrics, ok, pretrained_overrides, read_jsonl, rel_err, val_loss)
+    EXPORT_IDS, SMALL, check_export, launch, metrics, ok, pretrained_overrides, read_jsonl, rel_err)
 
 # SMALL with 4 decoder blocks, so that the looped / V-shaped schedules (2 stages per rank x 2 ranks) get a
 # block per stage. Global batch 8, 10 steps, fp32; nothing written that the test does not read.
@@ -198,11 +195,7 @@ def test_checkpoint_resumes_under_other_degrees(request, tmp_path, case):
 
 
 # ---- export --------------------------------------------------------------------------------------------------
-def _val_loss(model, run_dir):
-    return val_loss(model, run_dir, TEN)
-
-
-IDS = torch.tensor([[3, 14, 15, 92, 65, 256, 35, 89]])
+IDS = torch.tensor(EXPORT_IDS)
 
 
 @pytest.mark.parametrize("which", ["tp_run", "pp_run"])
@@ -211,28 +204,9 @@ def test_export_logits_equal_trained_model(request, tmp_path, which):
     pipeline stage holds it) and `python -m trainer.export` of the final DCP checkpoint give the same logits, and
     the exported model's validation loss is the one the trainer measured on its split model after the last
     step."""
-    from transformers import AutoModelForCausalLM
-
-    run_dir = request.getfixturevalue(which)
     name = "tp-ws2" if which == "tp_run" else f"pp-{PP_SHARED}-ws2"
-    proc = subprocess.run([sys.executable, "-m", "trainer.export", str(run_dir / "checkpoints" / "step_10"),
-                           str(tmp_path / "exported")], check=False, cwd=REPO, capture_output=True, text=True,
-                          timeout=180)
-    ok(proc)
-    at_end = AutoModelForCausalLM.from_pretrained(run_dir / "hf").eval()
-    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported").eval()
+    at_end = check_export(request.getfixturevalue(which), tmp_path, TEN, name)
     assert at_end.config.num_hidden_layers == 4
-    with torch.no_grad():
-        la, lb = at_end(IDS).logits, exported(IDS).logits
-    print(f"{name} export: max |hf/ - trainer.export| logit difference {(la - lb).abs().max().item():.2e}")
-    torch.testing.assert_close(la, lb, rtol=0, atol=1e-6)
-
-    trained = read_jsonl(run_dir / "eval.jsonl")[-1]
-    assert trained["step"] == 10
-    got = _val_loss(at_end, tmp_path / "val")
-    err = rel_err(got, trained["val_loss"])
-    print(f"{name} export: val loss {got:.6f} vs trainer's {trained['val_loss']:.6f} (relative error {err:.2e})")
-    assert err < 1e-5, (got, trained["val_loss"])
 
 
 def test_tp_and_pp_exports_agree(tp_run, pp_run):
