@@ -726,34 +726,41 @@ def parse_args(argv=None):
     return a
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if "--probe" in argv:
-        probe_trainer([x for x in argv if x != "--probe"])
-        return 0
-    a = parse_args(argv)
-    work = tempfile.mkdtemp(prefix="tessera-coll-")
-    strategies = [s for s in a.strategies.split(",") if s]
-    sizes = [int(x) for x in a.world_sizes.split(",") if x]
-    print(f"model {a.model}{' (debug size)' if a.quick else ''} | {a.precision} | seq_len {a.seq_len} | micro-batch "
-          f"{a.micro_batch} per rank | {a.steps} steps, the last but one reported", flush=True)
+def run_and_report(a, prefix: str, table_of, measure_in):
+    """The command-line tail the benchmark scripts share: measure in a temporary work folder (kept with --keep),
+    print the table, and write the config and rows as JSON to --out."""
+    work = tempfile.mkdtemp(prefix=prefix)
     try:
-        rows = measure(strategies, sizes, a.model, a.precision, a.seq_len, a.micro_batch, a.steps, a.quick,
-                       a.threads, work, a.timeout, a.set, log=lambda m: print(m, flush=True))
+        rows = measure_in(work)
     finally:
         if a.keep:
             print(f"work folder kept: {work}")
         else:
             shutil.rmtree(work, ignore_errors=True)
     print()
-    print(table(rows))
+    print(table_of(rows))
     if a.out:
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         with open(a.out, "w") as fh:
             json.dump({"config": vars(a), "rows": rows}, fh, indent=2, default=str)
         print(f"wrote {a.out}")
-    return 1 if any("error" in r for r in rows) else 0
+    return rows
 
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--probe" in argv:
+        probe_trainer([x for x in argv if x != "--probe"])
+        return 0
+    a = parse_args(argv)
+    strategies = [s for s in a.strategies.split(",") if s]
+    sizes = [int(x) for x in a.world_sizes.split(",") if x]
+    print(f"model {a.model}{' (debug size)' if a.quick else ''} | {a.precision} | seq_len {a.seq_len} | micro-batch "
+          f"{a.micro_batch} per rank | {a.steps} steps, the last but one reported", flush=True)
+    rows = run_and_report(a, "tessera-coll-", table, lambda work: measure(
+        strategies, sizes, a.model, a.precision, a.seq_len, a.micro_batch, a.steps, a.quick, a.threads, work,
+        a.timeout, a.set, log=lambda m: print(m, flush=True)))
+    return 1 if any("error" in r for r in rows) else 0
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -32,10 +32,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -389,29 +387,14 @@ def main(argv=None) -> int:
         hf_worker(argv[argv.index("--hf-worker") + 1])
         return 0
     a = parse_args(argv)
-    work = tempfile.mkdtemp(prefix="tessera-peers-")
     rows = a.rows.split(",")
     print(f"model {a.model}{' (debug size)' if a.quick else ''} | {a.precision} | seq_len {a.seq_len} | global batch "
           f"{a.global_batch}, micro {a.micro_batch} | {a.warmup} warm-up + {a.steps} measured steps | "
           f"N = {a.world_size}", flush=True)
-    try:
-        results = measure(rows, a.world_size, a.model, a.precision, a.seq_len, a.global_batch, a.micro_batch,
-                          a.warmup, a.steps, a.repeats, a.quick, a.threads, work, a.timeout, a.hf_optim, a.set,
-                          log=lambda m: print(m, flush=True))
-    finally:
-        if a.keep:
-            print(f"work folder kept: {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
-    print()
-    print(table(results))
-    if a.out:
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        with open(a.out, "w") as fh:
-            json.dump({"config": vars(a), "rows": results}, fh, indent=2, default=str)
-        print(f"wrote {a.out}")
+    BC.run_and_report(a, "tessera-peers-", table, lambda work: measure(
+        rows, a.world_size, a.model, a.precision, a.seq_len, a.global_batch, a.micro_batch, a.warmup, a.steps,
+        a.repeats, a.quick, a.threads, work, a.timeout, a.hf_optim, a.set, log=lambda m: print(m, flush=True)))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

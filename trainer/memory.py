@@ -35,15 +35,19 @@ only its flat gradient-partition buffer). So the trainer measures at several poi
 (`watch_first_step`, armed before the loop): at the end of backward (DeepSpeed: entry of the gradient epilogue,
 when the buckets hold this step's gradients), inside the optimizer step (a post-hook of the torch optimizer:
 gradients and the new optimizer state both exist; ZeRO steps it once per parameter group), and after the step.
-FSDP2 adds `forward` and `backward`, taken at every FSDP module in the first micro-batch (see `_watch_fsdp`):
-its gathered parameters exist only there. `log_memory` gathers the per-category peaks over all snapshots from
+FSDP2 adds `forward` and `backward`, taken at every FSDP module in the first micro-batch: its gathered
+parameters exist only there. `log_memory` gathers the per-category peaks over all snapshots from
 every rank, logs one line on rank 0 and writes `<run dir>/memory.json`; each rank's entry also has
 `built_params`, the parameter bytes it held right after model construction (ZeRO-3 and FSDP: its partition, not
 the whole model; FSDP builds on the meta device, so 0).
+
+This module counts and logs; where a backend keeps its tensors is the strategy's own knowledge: each strategy
+adds them (`Strategy.count_model_states`), arms its own probe points (`Strategy.watch_memory`) and may add a
+layout entry to memory.json (`Strategy.memory_layout`). The ZeRO and FSDP2 specifics are in
+trainer/strategies/deepspeed.py and trainer/strategies/fsdp.py.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import weakref
@@ -85,7 +89,7 @@ def _union_length(ranges) -> int:
     return total
 
 
-class _Tally:
+class Tally:
     """Bytes per category, each storage counted once; `shared` storages (communication buckets) are split into
     the bytes that gradient views occupy and the rest."""
 
@@ -156,13 +160,14 @@ def _tensors_in(obj, depth: int = 0):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# What each strategy holds
+# What a rank holds: each strategy adds its own tensors (Strategy.count_model_states); these are the common parts
 # ---------------------------------------------------------------------------------------------------------------
-def _unique_params(module) -> list:
+def unique_params(module) -> list:
     return list(module.parameters()) if module is not None else []
 
 
-def _optimizer_state(tally: _Tally, optimizer, label: str = "optimizer.state") -> None:
+def count_optimizer_state(tally: Tally, optimizer, label: str = "optimizer.state") -> None:
+    """The tensors in a torch optimizer's `state` (AdamW: exp_avg, exp_avg_sq, step), as optimizer bytes."""
     if optimizer is None:
         return
     for state in getattr(optimizer, "state", {}).values():
@@ -171,224 +176,30 @@ def _optimizer_state(tally: _Tally, optimizer, label: str = "optimizer.state") -
                 tally.add_all("optimizer", v, f"{label}.{k}")
 
 
-def _measure_plain(strategy, tally: _Tally) -> None:
-    params = _unique_params(strategy.unwrapped())
+def count_plain(tally: Tally, module, optimizer) -> None:
+    """A model whose parameters are whole (or plain shards) and a torch optimizer over them: single, ddp, tp."""
+    params = unique_params(module)
     for p in params:
         tally.add("params", p, "parameters")
-    _optimizer_state(tally, strategy.optimizer)
+    count_optimizer_state(tally, optimizer)
     for p in params:
         tally.add("grads", p.grad, "param.grad")
-
-
-def _is_zero3(zo) -> bool:
-    return hasattr(zo, "fp32_partitioned_groups_flat")
-
-
-def _ipg_buffers(zo) -> list:
-    out = []
-    for bucket in (getattr(zo, "ipg_buckets", None) or {}).values():
-        buf = getattr(bucket, "buffer", None)
-        out += list(buf) if isinstance(buf, (list, tuple)) else [buf]
-    return [b for b in out if isinstance(b, torch.Tensor)]
-
-
-def _measure_deepspeed(engine, tally: _Tally) -> None:
-    zo = engine.optimizer
-    params = _unique_params(engine.module)
-    # Parameters: the bit16 flat buffers (ZeRO-1/2: the parameters are views into them) or this rank's
-    # partitions (ZeRO-3: p.ds_tensor in lp_param_buffer; p.data is empty unless the parameter is whole).
-    for p in params:
-        tally.add("params", p, "parameters")
-        tally.add("params", getattr(p, "ds_tensor", None), "ds_tensor partitions")
-    for name in ("bit16_groups_flat", "lp_param_buffer", "fp16_partitioned_groups_flat",
-                 "param_groups_fp16_flat_cpu_memory"):
-        tally.add_all("params", getattr(zo, name, None), name)
-    # ZeRO-1/2 offload: a bit16 staging copy of the partition on the CPU.
-    tally.add_all("buffers", getattr(zo, "param_buffer_of_bit16_for_cpu_offload_groups", None),
-                  "param_buffer_of_bit16_for_cpu_offload_groups")
-    # fp32 masters. Where they are the parameters' own storage (ZeRO-3 means to alias them in fp32, but its check
-    # compares a torch.device to a string and so makes a copy anyway) they were counted as params above.
-    masters = getattr(zo, "single_partition_of_fp32_groups", None)
-    if masters is None:
-        masters = getattr(zo, "fp32_partitioned_groups_flat", None)
-        master_name = "fp32_partitioned_groups_flat"
-    else:
-        master_name = "single_partition_of_fp32_groups"
-    tally.add_all("master_params", masters, master_name)
-    # Optimizer state: the client optimizer ZeRO steps on its fp32 partitions.
-    inner = getattr(zo, "optimizer", None)
-    _optimizer_state(tally, inner)
-    if getattr(zo, "backup_optimizer", None) is not None:
-        _optimizer_state(tally, zo.backup_optimizer, "backup_optimizer.state")
-    # Reduction buckets: registered first so that gradient views into them are told apart from the rest.
-    for buf in _ipg_buffers(zo):
-        tally.share(buf, "ipg_buckets")
-    for p in params:
-        tally.add("grads", p.grad, "param.grad (bit16)")
-        tally.add("grads", getattr(p, "grad_accum", None), "param.grad_accum")
-    for m in masters or []:
-        tally.add("grads", getattr(m, "grad", None), "fp32 partition .grad")
-    grad_attrs = ["averaged_gradients", "all_grad_tensors", "grads_in_partition", "grad_partitions_flat_buffer",
-                  "temp_grad_buffer_for_cpu_offload", "temp_grad_buffer_for_gpu_offload", "accumulated_grads_in_cpu",
-                  "offload_gradient_dict"]
-    for name in grad_attrs:
-        tally.add_all("grads", getattr(zo, name, None), name)
-    # Anything else the ZeRO optimizer holds (found by walking it), classified by its attribute's name.
-    for path, t in _walk(zo):
-        low = path.lower()
-        if "grad" in low and "norm" not in low:  # not _global_grad_norm, a scalar
-            category = "grads"
-        elif "ipg" in low or "bucket" in low:
-            category = "buffers"
-        elif "fp32" in low:
-            category = "master_params"
-        elif "bit16" in low or "fp16" in low or "bf16" in low or "lp_param" in low:
-            category = "params"
-        else:
-            category = "other"
-        tally.add(category, t, path.split(".")[0].split("[")[0])
-
-
-_SKIP_ATTRS = {"optimizer", "backup_optimizer", "module", "_module", "timers", "loss_scaler"}
-
-
-def _walk(obj, path: str = "", depth: int = 0, visited=None):
-    """(attribute path, tensor) for tensors reachable from a DeepSpeed object's attributes: lists, tuples,
-    dicts and DeepSpeed-defined objects / dataclasses are entered; modules and optimizers are not."""
-    if visited is None:
-        visited = set()
-    if isinstance(obj, torch.Tensor):
-        yield path, obj
-        return
-    if depth > 5 or id(obj) in visited or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
-        return
-    if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
-        return
-    visited.add(id(obj))
-    if isinstance(obj, dict):
-        for k, v in list(obj.items()):
-            yield from _walk(v, f"{path}[{k!r}]" if isinstance(k, (str, int)) else f"{path}[]", depth + 1, visited)
-    elif isinstance(obj, (list, tuple, set)):
-        for i, v in enumerate(list(obj)):
-            yield from _walk(v, f"{path}[{i}]", depth + 1, visited)
-    elif dataclasses.is_dataclass(obj) or type(obj).__module__.startswith("deepspeed"):
-        for k, v in list(getattr(obj, "__dict__", {}).items()):
-            if depth == 0 and k in _SKIP_ATTRS:
-                continue
-            yield from _walk(v, f"{path}.{k}" if path else k, depth + 1, visited)
-
-
-def _fsdp_trees(strategy) -> list:
-    """[(root, [FSDP2 modules in its tree, root first])] for the strategy's module trees that contain FSDP2
-    (`fully_shard`) modules: the pipeline stage modules a strategy keeps apart from its model (`stage_modules`;
-    FSDP's root there is the stage module, which the model's tree does not contain), then the model. Each FSDP
-    module once, in the first tree that holds it."""
-    roots = [*(getattr(strategy, "stage_modules", None) or {}).values(), strategy.unwrapped()]
-    trees, seen = [], set()
-    for root in roots:
-        found = []
-        for m in root.modules() if isinstance(root, torch.nn.Module) else []:
-            if id(m) not in seen and hasattr(m, "_get_fsdp_state"):
-                seen.add(id(m))
-                found.append(m)
-        if found:
-            trees.append((root, found))
-    return trees
-
-
-def _fsdp_modules(strategy) -> list:
-    return [m for _, found in _fsdp_trees(strategy) for m in found]
-
-
-def _fsdp_states(strategy) -> list:
-    """The FSDP2 states of the strategy's modules, each once; [] without FSDP2. A state owns the parameter groups
-    of its module (`_fsdp_param_groups`; one `_fsdp_param_group` in older torch) and shares one communication
-    context with the others."""
-    states, seen = [], set()
-    for m in _fsdp_modules(strategy):
-        try:
-            state = m._get_fsdp_state()
-        except Exception:  # noqa: BLE001, S112 - not an FSDP2 module after all
-            continue
-        if state is not None and id(state) not in seen:
-            seen.add(id(state))
-            states.append(state)
-    return states
-
-
-def _fsdp_params(state) -> list:
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:
-        group = getattr(state, "_fsdp_param_group", None)
-        groups = [group] if group is not None else []
-    return [(g, fp) for g in groups if g is not None for fp in getattr(g, "fsdp_params", [])]
-
-
-def _measure_fsdp(strategy, states, tally: _Tally) -> None:
-    """FSDP2: each parameter is a DTensor whose local shard is this rank's part of the fp32 parameter (also the
-    master copy: with a MixedPrecisionPolicy FSDP casts what it all-gathers, and keeps no other copy); gradients
-    and AdamW state are DTensor shards too. While a group is unsharded (forward / backward) its module holds the
-    all-gathered parameters instead (bf16 under precision=bf16): they are counted as `gathered`, and the shards,
-    found through FSDP's own records, still as params."""
-    pairs = [pair for state in states for pair in _fsdp_params(state)]
-    for _, fp in pairs:
-        tally.add("params", getattr(fp, "sharded_param", None), "sharded parameters (DTensor local shards)")
-    for _, fp in pairs:
-        for t in list(getattr(fp, "all_gather_outputs", None) or []) + \
-                list(getattr(fp, "_unsharded_inner_tensors", None) or []):
-            tally.add("gathered", t, "all-gathered parameters")
-        tally.add("gathered", getattr(fp, "_sharded_post_forward_param_data", None), "post-forward reshard (hsdp)")
-    model = strategy.unwrapped()
-    for p in _unique_params(model):  # parameters FSDP does not manage; nothing new while all are sharded
-        tally.add("params", p, "parameters")
-    _optimizer_state(tally, strategy.optimizer)
-    for _, fp in pairs:
-        sharded = getattr(fp, "sharded_param", None)
-        tally.add("grads", getattr(sharded, "grad", None), "sharded gradients (DTensor local shards)")
-        unsharded = getattr(fp, "_unsharded_param", None)
-        tally.add("grads", getattr(unsharded, "grad", None), "unsharded gradients (backward)")
-        tally.add("grads", getattr(fp, "unsharded_accumulated_grad", None), "unsharded accumulated gradients")
-    for p in _unique_params(model):
-        tally.add("grads", p.grad, "param.grad")
-    # Communication buffers: the flat all-gather output, the reduce-scatter input kept for the next wait,
-    # a partial reduce output (gradient accumulation without reduce-scatter).
-    seen_ctx = set()
-    for state in states:
-        ctx = getattr(state, "_comm_ctx", None)
-        if ctx is not None and id(ctx) not in seen_ctx:
-            seen_ctx.add(id(ctx))
-            tally.add_all("buffers", getattr(ctx, "all_gather_state", None), "all-gather state")
-            tally.add_all("buffers", getattr(ctx, "reduce_scatter_states", None), "reduce-scatter inputs")
-    for state in states:
-        groups = {id(g): g for g, _ in _fsdp_params(state)}
-        for g in groups.values():
-            tally.add("grads", getattr(g, "_partial_reduce_output", None), "partial reduce output")
-            tally.add_all("buffers", getattr(g, "_all_gather_result", None), "all-gather output")
-            tally.add("buffers", getattr(g, "_all_gather_output", None), "all-gather output")
-            tally.add_all("buffers", getattr(g, "_all_reduce_state", None), "all-reduce input (hsdp)")
 
 
 def measure_model_states(strategy) -> dict:
     """This rank's bytes now: {"params", "grads", "optimizer", "master_params", "gathered", "buffers", "other",
     "total", "detail": {category: {label: bytes}}}. Call it after an optimizer step (before it there is no optimizer
     state); gradients exist only between backward and the end of the step (see the module's docstring)."""
-    tally = _Tally()
-    engine = getattr(strategy, "engine", None)
-    states = [] if engine is not None else _fsdp_states(strategy)
-    if engine is not None and getattr(engine, "optimizer", None) is not None:
-        _measure_deepspeed(engine, tally)
-    elif states:
-        _measure_fsdp(strategy, states, tally)
-    else:
-        _measure_plain(strategy, tally)
+    tally = Tally()
+    strategy.count_model_states(tally)
     return tally.result()
 
 
 def parameter_bytes(module) -> int:
     """Bytes of the parameters this rank holds now: ZeRO-3 partitions, DTensor shards, nothing for meta
     tensors. Measured right after model construction, it shows whether a rank ever held the whole model."""
-    tally = _Tally()
-    for p in _unique_params(module):
+    tally = Tally()
+    for p in unique_params(module):
         tally.add("params", getattr(p, "ds_tensor", None), "ds_tensor partitions")
         tally.add("params", p, "parameters")
     return tally.bytes["params"]
@@ -450,67 +261,9 @@ def watch_first_step(run) -> bool:
     if optimizer is not None and hasattr(optimizer, "register_step_post_hook"):
         handle = optimizer.register_step_post_hook(lambda *_: probe.snap("optimizer_step"))
         probe.undo.append(handle.remove)
-    engine = getattr(strategy, "engine", None)
-    zo = getattr(engine, "optimizer", None) if engine is not None else None
-    if zo is not None and hasattr(zo, "independent_gradient_partition_epilogue"):
-        original = zo.independent_gradient_partition_epilogue  # the bound method
-
-        def epilogue(*args, **kwargs):  # all of this step's gradients are produced, not yet reduced away
-            probe.snap("backward_end")
-            return original(*args, **kwargs)
-
-        zo.independent_gradient_partition_epilogue = epilogue  # an instance attribute shadows the method
-        probe.undo.append(lambda: zo.__dict__.pop("independent_gradient_partition_epilogue", None))
-    if engine is None:
-        for root, modules in _fsdp_trees(strategy):
-            _watch_fsdp(probe, root, modules)
+    probe.undo += strategy.watch_memory(probe.snap)  # the strategy's own points (end of backward, FSDP gathers)
     _PROBES[strategy] = probe
     return True
-
-
-def _first_grad_tensor(output):
-    """The first tensor in a module's output (tensor, tuple / list, dict / ModelOutput) that requires grad."""
-    if isinstance(output, torch.Tensor):
-        return output if output.requires_grad else None
-    values = output.values() if isinstance(output, dict) else output if isinstance(output, (list, tuple)) else ()
-    for v in values:
-        t = _first_grad_tensor(v)
-        if t is not None:
-            return t
-    return None
-
-
-def _watch_fsdp(probe: _Probe, root, modules: list) -> None:
-    """FSDP2: the gathered (unsharded) parameters exist only in forward and backward. During the first
-    micro-batch: `forward` at every FSDP module's forward, after FSDP's own pre-forward hook gathered its
-    parameters (and before resharding: reshard_after_forward=true frees a block's after its forward, false keeps
-    every block's until its backward); `backward` when the gradient reaches the module's output, after FSDP's
-    pre-backward hook (registered on the same output earlier, so it runs first) gathered the parameters again and
-    prefetched the next block's (still in that block's flat all-gather output, counted as buffers, until its own
-    pre-backward copies it out); the gradient shards of the blocks behind it exist by then, and the root's
-    unsharded gradients (it reduce-scatters them only at the end of backward). Not seen: a block's unsharded
-    gradients between its backward and their reduce-scatter."""
-    forwards = [0]
-
-    def count(module, args):
-        forwards[0] += 1
-
-    def pre(module, args):
-        if forwards[0] == 1:
-            probe.snap("forward")
-
-    def post(module, args, output):
-        if forwards[0] != 1 or not torch.is_grad_enabled():
-            return
-        t = _first_grad_tensor(output)
-        if t is not None:
-            t.register_hook(lambda grad: probe.snap("backward"))  # returns None: the gradient is unchanged
-
-    handles = [root.register_forward_pre_hook(count, prepend=True)]  # counts the root's forwards (micro-batches)
-    for m in modules:  # appended: they run after FSDP's pre-forward (prepended) and post-forward hooks
-        handles.append(m.register_forward_pre_hook(pre))
-        handles.append(m.register_forward_hook(post))
-    probe.undo += [h.remove for h in handles]
 
 
 def _peaks(probe: _Probe) -> dict:
@@ -530,22 +283,6 @@ def _largest_layer_params(module) -> int:
     for m in module.modules():
         largest = max(largest, sum(getattr(p, "ds_numel", p.numel()) for p in m.parameters(recurse=False)))
     return largest
-
-
-def _fsdp_layout(strategy) -> Optional[dict]:
-    """FSDP2 only: the shard group's size and each FSDP module's parameter count (unsharded; the root's first),
-    what the gathered parameters of a module cost."""
-    units, shard_size = [], None
-    for state in _fsdp_states(strategy):
-        pairs = _fsdp_params(state)
-        if not pairs:
-            continue
-        units.append(sum(fp.sharded_param.numel() for _, fp in pairs))
-        mesh_info = getattr(pairs[0][0], "mesh_info", None)
-        shard_size = getattr(mesh_info, "shard_mesh_size", shard_size)
-    if not units:
-        return None
-    return {"shard_size": shard_size, "unit_params": units}
 
 
 def _mib(n: int) -> str:
@@ -569,9 +306,7 @@ def log_memory(run) -> bool:
                   "precision": run.cfg.precision.name, "num_params": run.num_params,
                   "largest_layer_params": _largest_layer_params(strategy.unwrapped()), "step": run.step,
                   "ranks": ranks}
-        layout = _fsdp_layout(strategy)
-        if layout is not None:
-            result["fsdp"] = layout
+        result.update(strategy.memory_layout())
         path = os.path.join(run.run_dir, "memory.json")
         with open(path + ".tmp", "w") as fh:
             json.dump(result, fh, indent=1)

@@ -5,6 +5,8 @@ import math
 
 import torch
 
+from trainer.errors import ConfigError
+
 
 def param_groups(named_params, weight_decay: float):
     """Weight decay on matrices only: biases, norms' gains and 1-D parameters are not decayed."""
@@ -32,7 +34,12 @@ def fused_supported(params) -> bool:
 
 def implementation_kwargs(implementation: str, params) -> dict:
     """Keyword arguments choosing the kernel: `auto` takes the fused one where it applies (one kernel for all
-    parameters; on CPU 4-5x faster than the per-parameter loop for a 100M model), else torch's default."""
+    parameters; on CPU 4-5x faster than the per-parameter loop for a 100M model), else torch's default.
+    An explicit `fused` where the kernel does not apply is a config problem, not an error deep inside torch."""
+    if implementation == "fused" and not fused_supported(params):
+        kinds = sorted({f"{p.dtype} on {p.device.type}" for p in params})
+        raise ConfigError([f"optim.implementation='fused': torch has no fused optimizer kernel for these parameters "
+                           f"({', '.join(kinds)}); use optim.implementation=auto (fused where it applies) or foreach"])
     if implementation == "fused" or (implementation == "auto" and fused_supported(params)):
         return {"fused": True}
     if implementation == "foreach":

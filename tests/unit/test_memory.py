@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.conftest import compose_config
-from trainer.memory import _Tally, gather_memory, measure_model_states
+from trainer.memory import Tally, gather_memory, measure_model_states
 
 SMALL = ["model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
          "model.intermediate_size=128", "data.embedded_documents=400", "data.seq_len=32", "logging.progress=false",
@@ -95,7 +95,7 @@ def test_the_loop_writes_memory_json_after_the_first_step(build_run):
 def test_each_storage_counts_once_and_bucket_views_count_as_gradients():
     flat = torch.zeros(100)
     bucket = torch.empty(1000, dtype=torch.bfloat16)
-    tally = _Tally()
+    tally = Tally()
     tally.add("params", flat[:50], "a")
     tally.add("params", flat[50:], "a")  # the same storage: not again
     tally.add("grads", flat, "b")  # already counted as params: not again

@@ -158,6 +158,14 @@ def test_auto_falls_back_where_a_parameter_has_no_fused_kernel():
     assert not opt.defaults.get("fused")
 
 
+def test_explicit_fused_where_no_kernel_applies_is_a_config_problem():
+    from trainer.errors import ConfigError
+
+    meta = torch.nn.Parameter(torch.ones(2, 2, device="meta"))
+    with pytest.raises(ConfigError, match=r"optim.implementation='fused'.*torch.float32 on meta.*implementation=auto"):
+        build_optimizer(_cfg(name="adamw", implementation="fused"), [("w", meta)])
+
+
 def test_fused_and_for_loop_adamw_take_the_same_steps():
     torch.manual_seed(0)
     start = torch.randn(64, 32)

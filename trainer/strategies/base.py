@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from models.init import copy_full_tensors
 from trainer.data.datasets import IGNORE
+from trainer.memory import count_plain
 
 
 def token_loss_sum(model, batch: dict, precision) -> torch.Tensor:
@@ -220,6 +221,23 @@ class Strategy:
                 match = next((g for g in saved if g.get("weight_decay") == group.get("weight_decay")), group)
             out.append(dict(match, params=list(group["params"])))
         return out
+
+    # ---- model-state memory (trainer/memory.py counts and logs; the strategy knows where its tensors live) ------
+    def count_model_states(self, tally) -> None:
+        """Add every tensor this rank holds for the model states to `tally` (a trainer.memory.Tally), each under
+        its category: parameters, optimizer state, gradients (and, where a backend has them, fp32 masters,
+        gathered parameters, communication buffers)."""
+        count_plain(tally, self.unwrapped(), self.optimizer)
+
+    def watch_memory(self, snap) -> list:
+        """Arm this backend's own probe points for the first step (besides the optimizer step, which
+        trainer/memory.py watches): call `snap(point_name)` where transient tensors exist. Returns the callables
+        that disarm them."""
+        return []
+
+    def memory_layout(self) -> dict:
+        """Extra top-level entries for memory.json that explain the figures (FSDP2: shard group, unit sizes)."""
+        return {}
 
     def close(self) -> None:
         """Release the parallel model before the process group goes (wrappers that hold communication

@@ -12,6 +12,7 @@ then exactly the global batch's gradient.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.errors import ConfigError
+from trainer.memory import count_optimizer_state, unique_params
 from trainer.strategies.base import Strategy, token_loss_sum
 
 STAGES = {"zero1": 1, "zero2": 2, "zero3": 3, "zero3_offload": 3}
@@ -374,9 +376,124 @@ class DeepSpeedStrategy(Strategy):
             if name not in param_names:
                 yield name, tensor
 
+    # ---- model-state memory: where ZeRO keeps its tensors (trainer/memory.py counts and logs) --------------
+    def count_model_states(self, tally) -> None:
+        zo = getattr(self.engine, "optimizer", None)
+        if zo is None:
+            return super().count_model_states(tally)
+        _count_zero_states(zo, unique_params(self.engine.module), tally)
+
+    def watch_memory(self, snap) -> list:
+        """`backward_end`: entry of ZeRO's gradient epilogue, when the buckets hold this step's gradients (all are
+        produced, none reduced away yet)."""
+        zo = getattr(self.engine, "optimizer", None)
+        if zo is None or not hasattr(zo, "independent_gradient_partition_epilogue"):
+            return []
+        original = zo.independent_gradient_partition_epilogue  # the bound method
+
+        def epilogue(*args, **kwargs):
+            snap("backward_end")
+            return original(*args, **kwargs)
+
+        zo.independent_gradient_partition_epilogue = epilogue  # an instance attribute shadows the method
+        return [lambda: zo.__dict__.pop("independent_gradient_partition_epilogue", None)]
+
     run_dir = "."  # set by the builder: where universal conversions of old checkpoints go
 
     def close(self) -> None:
         super().close()
         self.engine = None
         self._hf_ds_config = None
+
+
+def _ipg_buffers(zo) -> list:
+    out = []
+    for bucket in (getattr(zo, "ipg_buckets", None) or {}).values():
+        buf = getattr(bucket, "buffer", None)
+        out += list(buf) if isinstance(buf, (list, tuple)) else [buf]
+    return [b for b in out if isinstance(b, torch.Tensor)]
+
+
+def _count_zero_states(zo, params: list, tally) -> None:
+    """ZeRO-1/2/3 (and offload): every tensor the ZeRO optimizer `zo` holds, and the parameters' own."""
+    # Parameters: the bit16 flat buffers (ZeRO-1/2: the parameters are views into them) or this rank's
+    # partitions (ZeRO-3: p.ds_tensor in lp_param_buffer; p.data is empty unless the parameter is whole).
+    for p in params:
+        tally.add("params", p, "parameters")
+        tally.add("params", getattr(p, "ds_tensor", None), "ds_tensor partitions")
+    for name in ("bit16_groups_flat", "lp_param_buffer", "fp16_partitioned_groups_flat",
+                 "param_groups_fp16_flat_cpu_memory"):
+        tally.add_all("params", getattr(zo, name, None), name)
+    # ZeRO-1/2 offload: a bit16 staging copy of the partition on the CPU.
+    tally.add_all("buffers", getattr(zo, "param_buffer_of_bit16_for_cpu_offload_groups", None),
+                  "param_buffer_of_bit16_for_cpu_offload_groups")
+    # fp32 masters. Where they are the parameters' own storage (ZeRO-3 means to alias them in fp32, but its check
+    # compares a torch.device to a string and so makes a copy anyway) they were counted as params above.
+    masters = getattr(zo, "single_partition_of_fp32_groups", None)
+    if masters is None:
+        masters = getattr(zo, "fp32_partitioned_groups_flat", None)
+        master_name = "fp32_partitioned_groups_flat"
+    else:
+        master_name = "single_partition_of_fp32_groups"
+    tally.add_all("master_params", masters, master_name)
+    # Optimizer state: the client optimizer ZeRO steps on its fp32 partitions.
+    inner = getattr(zo, "optimizer", None)
+    count_optimizer_state(tally, inner)
+    if getattr(zo, "backup_optimizer", None) is not None:
+        count_optimizer_state(tally, zo.backup_optimizer, "backup_optimizer.state")
+    # Reduction buckets: registered first so that gradient views into them are told apart from the rest.
+    for buf in _ipg_buffers(zo):
+        tally.share(buf, "ipg_buckets")
+    for p in params:
+        tally.add("grads", p.grad, "param.grad (bit16)")
+        tally.add("grads", getattr(p, "grad_accum", None), "param.grad_accum")
+    for m in masters or []:
+        tally.add("grads", getattr(m, "grad", None), "fp32 partition .grad")
+    grad_attrs = ["averaged_gradients", "all_grad_tensors", "grads_in_partition", "grad_partitions_flat_buffer",
+                  "temp_grad_buffer_for_cpu_offload", "temp_grad_buffer_for_gpu_offload", "accumulated_grads_in_cpu",
+                  "offload_gradient_dict"]
+    for name in grad_attrs:
+        tally.add_all("grads", getattr(zo, name, None), name)
+    # Anything else the ZeRO optimizer holds (found by walking it), classified by its attribute's name.
+    for path, t in _walk(zo):
+        low = path.lower()
+        if "grad" in low and "norm" not in low:  # not _global_grad_norm, a scalar
+            category = "grads"
+        elif "ipg" in low or "bucket" in low:
+            category = "buffers"
+        elif "fp32" in low:
+            category = "master_params"
+        elif "bit16" in low or "fp16" in low or "bf16" in low or "lp_param" in low:
+            category = "params"
+        else:
+            category = "other"
+        tally.add(category, t, path.split(".")[0].split("[")[0])
+
+
+_SKIP_ATTRS = {"optimizer", "backup_optimizer", "module", "_module", "timers", "loss_scaler"}
+
+
+def _walk(obj, path: str = "", depth: int = 0, visited=None):
+    """(attribute path, tensor) for tensors reachable from a DeepSpeed object's attributes: lists, tuples,
+    dicts and DeepSpeed-defined objects / dataclasses are entered; modules and optimizers are not."""
+    if visited is None:
+        visited = set()
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+        return
+    if depth > 5 or id(obj) in visited or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
+        return
+    if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
+        return
+    visited.add(id(obj))
+    if isinstance(obj, dict):
+        for k, v in list(obj.items()):
+            yield from _walk(v, f"{path}[{k!r}]" if isinstance(k, (str, int)) else f"{path}[]", depth + 1, visited)
+    elif isinstance(obj, (list, tuple, set)):
+        for i, v in enumerate(list(obj)):
+            yield from _walk(v, f"{path}[{i}]", depth + 1, visited)
+    elif dataclasses.is_dataclass(obj) or type(obj).__module__.startswith("deepspeed"):
+        for k, v in list(getattr(obj, "__dict__", {}).items()):
+            if depth == 0 and k in _SKIP_ATTRS:
+                continue
+            yield from _walk(v, f"{path}.{k}" if path else k, depth + 1, visited)

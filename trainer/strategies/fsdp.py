@@ -12,12 +12,13 @@ result is the same on gloo and NCCL.
 """
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
+from trainer.memory import count_optimizer_state, unique_params
 from trainer.strategies.base import Strategy
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -168,6 +169,23 @@ class FSDPStrategy(Strategy):
         return norm
 
     # ---- export: one parameter gathered at a time ---------------------------------------------------------
+    # ---- model-state memory: where FSDP2 keeps its tensors (trainer/memory.py counts and logs) -------------
+    def count_model_states(self, tally) -> None:
+        states = _fsdp_states(self)
+        if not states:  # tensor / pipeline parallelism without FSDP: whole (or DTensor) parameters
+            return super().count_model_states(tally)
+        _count_fsdp_states(self, states, tally)
+
+    def watch_memory(self, snap) -> list:
+        undo = []
+        for root, modules in _fsdp_trees(self):
+            undo += _watch_fsdp(snap, root, modules)
+        return undo
+
+    def memory_layout(self) -> dict:
+        layout = _fsdp_layout(self)
+        return {} if layout is None else {"fsdp": layout}
+
     def export_hf(self, out_dir: str, tokenizer) -> None:
         from trainer.strategies.base import write_hf_folder_streaming
 
@@ -211,3 +229,155 @@ class ScalarFoundInfScaler(ShardedGradScaler):
         super().unscale_(optimizer)
         state = self._per_optimizer_states[id(optimizer)]
         state["found_inf_per_device"] = {d: f.reshape(()) for d, f in state["found_inf_per_device"].items()}
+
+
+# ---- memory: FSDP2's records of what each rank holds ---------------------------------------------------------
+def _fsdp_trees(strategy) -> list:
+    """[(root, [FSDP2 modules in its tree, root first])] for the strategy's module trees that contain FSDP2
+    (`fully_shard`) modules: the pipeline stage modules a strategy keeps apart from its model (`stage_modules`;
+    FSDP's root there is the stage module, which the model's tree does not contain), then the model. Each FSDP
+    module once, in the first tree that holds it."""
+    roots = [*(getattr(strategy, "stage_modules", None) or {}).values(), strategy.unwrapped()]
+    trees, seen = [], set()
+    for root in roots:
+        found = []
+        for m in root.modules() if isinstance(root, torch.nn.Module) else []:
+            if id(m) not in seen and hasattr(m, "_get_fsdp_state"):
+                seen.add(id(m))
+                found.append(m)
+        if found:
+            trees.append((root, found))
+    return trees
+
+
+def _fsdp_modules(strategy) -> list:
+    return [m for _, found in _fsdp_trees(strategy) for m in found]
+
+
+def _fsdp_states(strategy) -> list:
+    """The FSDP2 states of the strategy's modules, each once; [] without FSDP2. A state owns the parameter groups
+    of its module (`_fsdp_param_groups`; one `_fsdp_param_group` in older torch) and shares one communication
+    context with the others."""
+    states, seen = [], set()
+    for m in _fsdp_modules(strategy):
+        try:
+            state = m._get_fsdp_state()
+        except Exception:  # noqa: BLE001, S112 - not an FSDP2 module after all
+            continue
+        if state is not None and id(state) not in seen:
+            seen.add(id(state))
+            states.append(state)
+    return states
+
+
+def _fsdp_params(state) -> list:
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [group] if group is not None else []
+    return [(g, fp) for g in groups if g is not None for fp in getattr(g, "fsdp_params", [])]
+
+
+def _count_fsdp_states(strategy, states, tally) -> None:
+    """FSDP2: each parameter is a DTensor whose local shard is this rank's part of the fp32 parameter (also the
+    master copy: with a MixedPrecisionPolicy FSDP casts what it all-gathers, and keeps no other copy); gradients
+    and AdamW state are DTensor shards too. While a group is unsharded (forward / backward) its module holds the
+    all-gathered parameters instead (bf16 under precision=bf16): they are counted as `gathered`, and the shards,
+    found through FSDP's own records, still as params."""
+    pairs = [pair for state in states for pair in _fsdp_params(state)]
+    for _, fp in pairs:
+        tally.add("params", getattr(fp, "sharded_param", None), "sharded parameters (DTensor local shards)")
+    for _, fp in pairs:
+        for t in list(getattr(fp, "all_gather_outputs", None) or []) + \
+                list(getattr(fp, "_unsharded_inner_tensors", None) or []):
+            tally.add("gathered", t, "all-gathered parameters")
+        tally.add("gathered", getattr(fp, "_sharded_post_forward_param_data", None), "post-forward reshard (hsdp)")
+    model = strategy.unwrapped()
+    for p in unique_params(model):  # parameters FSDP does not manage; nothing new while all are sharded
+        tally.add("params", p, "parameters")
+    count_optimizer_state(tally, strategy.optimizer)
+    for _, fp in pairs:
+        sharded = getattr(fp, "sharded_param", None)
+        tally.add("grads", getattr(sharded, "grad", None), "sharded gradients (DTensor local shards)")
+        unsharded = getattr(fp, "_unsharded_param", None)
+        tally.add("grads", getattr(unsharded, "grad", None), "unsharded gradients (backward)")
+        tally.add("grads", getattr(fp, "unsharded_accumulated_grad", None), "unsharded accumulated gradients")
+    for p in unique_params(model):
+        tally.add("grads", p.grad, "param.grad")
+    # Communication buffers: the flat all-gather output, the reduce-scatter input kept for the next wait,
+    # a partial reduce output (gradient accumulation without reduce-scatter).
+    seen_ctx = set()
+    for state in states:
+        ctx = getattr(state, "_comm_ctx", None)
+        if ctx is not None and id(ctx) not in seen_ctx:
+            seen_ctx.add(id(ctx))
+            tally.add_all("buffers", getattr(ctx, "all_gather_state", None), "all-gather state")
+            tally.add_all("buffers", getattr(ctx, "reduce_scatter_states", None), "reduce-scatter inputs")
+    for state in states:
+        groups = {id(g): g for g, _ in _fsdp_params(state)}
+        for g in groups.values():
+            tally.add("grads", getattr(g, "_partial_reduce_output", None), "partial reduce output")
+            tally.add_all("buffers", getattr(g, "_all_gather_result", None), "all-gather output")
+            tally.add("buffers", getattr(g, "_all_gather_output", None), "all-gather output")
+            tally.add_all("buffers", getattr(g, "_all_reduce_state", None), "all-reduce input (hsdp)")
+
+
+def _first_grad_tensor(output):
+    """The first tensor in a module's output (tensor, tuple / list, dict / ModelOutput) that requires grad."""
+    if isinstance(output, torch.Tensor):
+        return output if output.requires_grad else None
+    values = output.values() if isinstance(output, dict) else output if isinstance(output, (list, tuple)) else ()
+    for v in values:
+        t = _first_grad_tensor(v)
+        if t is not None:
+            return t
+    return None
+
+
+def _watch_fsdp(snap, root, modules: list) -> list:
+    """FSDP2: the gathered (unsharded) parameters exist only in forward and backward. During the first
+    micro-batch: `forward` at every FSDP module's forward, after FSDP's own pre-forward hook gathered its
+    parameters (and before resharding: reshard_after_forward=true frees a block's after its forward, false keeps
+    every block's until its backward); `backward` when the gradient reaches the module's output, after FSDP's
+    pre-backward hook (registered on the same output earlier, so it runs first) gathered the parameters again and
+    prefetched the next block's (still in that block's flat all-gather output, counted as buffers, until its own
+    pre-backward copies it out); the gradient shards of the blocks behind it exist by then, and the root's
+    unsharded gradients (it reduce-scatters them only at the end of backward). Not seen: a block's unsharded
+    gradients between its backward and their reduce-scatter."""
+    forwards = [0]
+
+    def count(module, args):
+        forwards[0] += 1
+
+    def pre(module, args):
+        if forwards[0] == 1:
+            snap("forward")
+
+    def post(module, args, output):
+        if forwards[0] != 1 or not torch.is_grad_enabled():
+            return
+        t = _first_grad_tensor(output)
+        if t is not None:
+            t.register_hook(lambda grad: snap("backward"))  # returns None: the gradient is unchanged
+
+    handles = [root.register_forward_pre_hook(count, prepend=True)]  # counts the root's forwards (micro-batches)
+    for m in modules:  # appended: they run after FSDP's pre-forward (prepended) and post-forward hooks
+        handles.append(m.register_forward_pre_hook(pre))
+        handles.append(m.register_forward_hook(post))
+    return [h.remove for h in handles]
+
+
+def _fsdp_layout(strategy) -> Optional[dict]:
+    """FSDP2 only: the shard group's size and each FSDP module's parameter count (unsharded; the root's first),
+    what the gathered parameters of a module cost."""
+    units, shard_size = [], None
+    for state in _fsdp_states(strategy):
+        pairs = _fsdp_params(state)
+        if not pairs:
+            continue
+        units.append(sum(fp.sharded_param.numel() for _, fp in pairs))
+        mesh_info = getattr(pairs[0][0], "mesh_info", None)
+        shard_size = getattr(mesh_info, "shard_mesh_size", shard_size)
+    if not units:
+        return None
+    return {"shard_size": shard_size, "unit_params": units}
