@@ -762,5 +762,6 @@ def main(argv=None) -> int:
         a.timeout, a.set, log=lambda m: print(m, flush=True)))
     return 1 if any("error" in r for r in rows) else 0
 
+
 if __name__ == "__main__":
     sys.exit(main())

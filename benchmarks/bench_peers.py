@@ -396,5 +396,6 @@ def main(argv=None) -> int:
         a.repeats, a.quick, a.threads, work, a.timeout, a.hf_optim, a.set, log=lambda m: print(m, flush=True)))
     return 0
 
+
 if __name__ == "__main__":
     sys.exit(main())
