@@ -629,7 +629,7 @@ def window_throughput(metrics, warmup: int) -> dict:
     tokens, seconds = sum(t for t, _ in kept), sum(s for _, s in kept)
     mfu = [r["mfu"] for r in metrics if r["step"] > warmup and "mfu" in r]
     return {"tokens_per_s": tokens / seconds if seconds > 0 else 0.0, "tokens": tokens, "seconds": seconds,
-            "measured_steps": len(kept), "step_times_s": [s for end, t, s in windows if end > warmup],
+            "measured_steps": len(kept), "step_times_s": [s for _, s in kept], "step_tokens": [t for t, _ in kept],
             "mfu": sum(mfu) / len(mfu) if mfu else None,
             "final_loss": metrics[-1]["loss"] if metrics else None}
 

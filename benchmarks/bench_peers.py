@@ -7,7 +7,7 @@ batch, precision and steps: tokens/s side by side and the ratio, for single, ddp
     python benchmarks/bench_peers.py --quick                          # a debug-size model: the smoke test's size
 
 Per row, one Tessera run and one HF Trainer run, back to back (with --repeats > 1 the order alternates, so that
-drift in machine load hits both alike; the median is reported):
+drift in machine load hits both alike):
 
 * Tessera: `trainer/main.py strategy=<row>` through the launcher launch.sh picks (python, torchrun, deepspeed),
   every rank through bench_collectives' probe (which also counts the collectives' bytes).
@@ -20,12 +20,18 @@ drift in machine load hits both alike; the median is reported):
   (micro-batch x N), max_steps, bf16 (autocast) or fp32, AdamW with the same lr / betas / eps / weight decay
   (`--hf-optim match`, the default: `adamw_torch_fused` where Tessera's `optim.implementation` takes torch's
   fused kernel, as it does by default on CPU and CUDA, else `adamw_torch`: the same torch.optim.AdamW kernel on
-  both sides; HF's own default is `adamw_torch_fused`), the same max_grad_norm, a constant lr, logging every step as Tessera does; ddp via torchrun
-  (DistributedDataParallel with Tessera's bucket size), ZeRO rows with `deepspeed=<the DeepSpeed config Tessera
-  generates for the row>` (trainer.strategies.deepspeed.build_ds_config: the same ZeRO stage, buckets, overlap,
-  precision, clipping; no optimizer section, so HF hands its torch AdamW to DeepSpeed as Tessera does).
-* tokens/s on both sides: target tokens of the steps after --warmup over their wall time, step end to step end
+  both sides; HF's own default is `adamw_torch_fused`), the same max_grad_norm, a constant lr, logging every step
+  as Tessera does; ddp via torchrun (DistributedDataParallel with Tessera's bucket size), ZeRO rows with
+  `deepspeed=<the DeepSpeed config Tessera generates for the row>` (trainer.strategies.deepspeed.build_ds_config:
+  the same ZeRO stage, buckets, overlap, precision, clipping; no optimizer section, so HF hands its torch AdamW to
+  DeepSpeed as Tessera does).
+* tokens/s on both sides: target tokens of a step after --warmup over its wall time, step end to step end
   (Tessera: the metrics.jsonl windows, one per step; HF: a TrainerCallback's on_step_end times).
+* The row's figure per side is the median step's tokens/s over the measured steps of all its repeats (a stall of
+  the machine moves one step, not the figure); the ratio is Tessera's over HF's, with a 95% bootstrap interval
+  (runs resampled, then steps within them) and a verdict on the target: "met" (interval >= 1), "not met"
+  (interval < 1) or "within noise". Each run's own tokens/s (its steps' tokens over their summed time) and each
+  back-to-back pair's ratio are kept too.
 """
 from __future__ import annotations
 
@@ -187,7 +193,8 @@ def hf_worker(spec_path: str) -> None:
         with open(os.path.join(run_dir, "hf_result.json"), "w") as fh:
             json.dump({"tokens_per_s": tokens_per_step * len(step_times) / seconds if seconds > 0 else 0.0,
                        "tokens": tokens_per_step * len(step_times), "seconds": seconds,
-                       "step_times_s": step_times, "measured_steps": len(step_times), "num_params": num_params,
+                       "step_times_s": step_times, "step_tokens": [tokens_per_step] * len(step_times),
+                       "measured_steps": len(step_times), "num_params": num_params,
                        "losses": losses, "transformers": transformers.__version__, "stack": stack,
                        "optim": hf_optim, "deepspeed_config": ds_config,
                        "accelerate": _version("accelerate"), "deepspeed": _version("deepspeed")}, fh)
@@ -300,8 +307,8 @@ def measure(rows, n, model, precision, seq_len, global_batch, micro_batch, warmu
                 msg = r.get("error") or f"{r['tokens_per_s']:.1f} tok/s"
                 log(f"  {row:6s} N={w} {side:7s} {msg}  ({r['wall_s']:.0f} s)")
         ok = {k: [r for r in v if "error" not in r] for k, v in sides.items()}
-        tess = statistics.median(r["tokens_per_s"] for r in ok["tessera"]) if ok["tessera"] else None
-        hf = statistics.median(r["tokens_per_s"] for r in ok["hf"]) if ok["hf"] else None
+        tess, hf = (median_step_rate(ok[k]) if ok[k] else None for k in ("tessera", "hf"))
+        interval = bootstrap_ratio(ok["tessera"], ok["hf"]) if tess and hf else None
         errors = {k: v[0]["error"] for k, v in sides.items() if v and "error" in v[0]}
         vol = {k: (v[0].get("collective_bytes_per_step") if v else None) for k, v in ok.items()}
         # Each repeat's back-to-back pair, as a ratio: their spread shows how far the machine's noise reaches.
@@ -309,9 +316,52 @@ def measure(rows, n, model, precision, seq_len, global_batch, micro_batch, warmu
                  if "error" not in a and "error" not in b and b["tokens_per_s"]]
         results.append({"row": row, "world_size": w, "threads": th, "precision": prec, "note": note,
                         "tessera_tokens_per_s": tess, "hf_tokens_per_s": hf,
-                        "ratio": tess / hf if tess and hf else None, "pair_ratios": pairs, "errors": errors,
+                        "ratio": tess / hf if tess and hf else None, "ratio_interval": interval,
+                        "verdict": verdict(interval), "pair_ratios": pairs, "errors": errors,
+                        "run_tokens_per_s": {k: [r["tokens_per_s"] for r in v] for k, v in ok.items()},
                         "collective_bytes_per_step": vol, "runs": sides, "overrides": ov})
     return results
+
+
+# ---- statistics: a shared 2-core machine stalls single steps (1.5-2x) and drifts between runs (+-15%) -----------
+def step_rates(run: dict) -> list:
+    """tokens/s of each measured step (window) of one run."""
+    return [t / s for t, s in zip(run["step_tokens"], run["step_times_s"]) if s > 0]
+
+
+def median_step_rate(runs) -> float:
+    """tokens/s of the median step, over the measured steps of all repeats of one side: a stall of the machine
+    moves one step, not the figure."""
+    return statistics.median(x for r in runs for x in step_rates(r))
+
+
+def bootstrap_ratio(tessera_runs, hf_runs, draws: int = 2000, level: float = 0.95, seed: int = 0):
+    """[lo, hi] of Tessera / HF (median step rates) over resamples of both sides: the runs with replacement, then
+    the steps within each drawn run, so that drift between runs widens the interval as much as it moves the
+    ratio."""
+    import random
+
+    rng = random.Random(seed)
+    sides = [[step_rates(r) for r in runs] for runs in (tessera_runs, hf_runs)]
+
+    def resampled_median(runs):
+        pooled = []
+        for run in rng.choices(runs, k=len(runs)):
+            pooled += rng.choices(run, k=len(run))
+        return statistics.median(pooled)
+
+    ratios = sorted(resampled_median(sides[0]) / resampled_median(sides[1]) for _ in range(draws))
+    tail = (1.0 - level) / 2
+    return [ratios[int(tail * (draws - 1))], ratios[int((1.0 - tail) * (draws - 1))]]
+
+
+def verdict(interval) -> str:
+    """Against the target (Tessera at least as fast): 'met' when the whole interval is >= 1, 'not met' when it is
+    below 1, else 'within noise' (the measurement cannot tell the two apart)."""
+    if not interval:
+        return "—"
+    lo, hi = interval
+    return "met" if lo >= 1.0 else "not met" if hi < 1.0 else "within noise"
 
 
 def fmtv(v) -> str:
@@ -319,8 +369,9 @@ def fmtv(v) -> str:
 
 
 def table(results) -> str:
-    out = ["| row | N | precision | Tessera tok/s | HF Trainer tok/s | Tessera / HF | per repeat | collectives / step "
-           "MiB (Tessera / HF) | HF stack | notes |", "|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| row | N | precision | Tessera tok/s | HF Trainer tok/s | Tessera / HF | 95% interval | target | per "
+           "repeat | collectives / step MiB (Tessera / HF) | HF stack | notes |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         hf_runs = [x for x in r["runs"]["hf"] if "error" not in x]
         stack = "accelerate" + (" + DeepSpeed" if r["row"].startswith("zero") else "")
@@ -336,8 +387,10 @@ def table(results) -> str:
         vtxt = " / ".join(f"{vol[k] / 2**20:.2f}" if vol.get(k) is not None else "—" for k in ("tessera", "hf"))
         ratio = f"**{r['ratio']:.3f}**" if r["ratio"] else "—"
         pairs = ", ".join(f"{x:.3f}" for x in r.get("pair_ratios") or []) or "—"
+        interval = "{:.3f}-{:.3f}".format(*r["ratio_interval"]) if r.get("ratio_interval") else "—"
         out.append(f"| {r['row']} | {r['world_size']} | {r.get('precision', '')} | {fmtv(r['tessera_tokens_per_s'])} | "
-                   f"{fmtv(r['hf_tokens_per_s'])} | {ratio} | {pairs} | {vtxt} | {stack} | {notes} |")
+                   f"{fmtv(r['hf_tokens_per_s'])} | {ratio} | {interval} | {r.get('verdict', '—')} | {pairs} | "
+                   f"{vtxt} | {stack} | {notes} |")
     return "\n".join(out)
 
 

@@ -74,7 +74,7 @@ def fit(run) -> None:
             throughput.exclude(time.perf_counter() - t_aside)
 
         run.checkpointer.poll()
-        if run.stop.agreed(run.device):
+        if run.stop.agreed():
             run.stopped_by = run.stop.name
             run.logger.info(f"{run.stopped_by} received: stopping after step {run.step}")
             break

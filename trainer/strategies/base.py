@@ -26,6 +26,15 @@ def token_loss_sum(model, batch: dict, precision) -> torch.Tensor:
                            reduction="sum")
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host batch tensor onto the device without waiting for it: CUDA drains the stream before a copy from
+    pageable memory, so the host could not queue the next micro-batch while the device computes; a copy from
+    page-locked memory is queued like a kernel."""
+    if device.type != "cpu" and not tensor.is_pinned():
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
+
+
 class Strategy:
     name: ClassVar[str] = "base"
     # How launch.sh starts it: "python" (one process), "torchrun" or "deepspeed".
@@ -118,7 +127,7 @@ class Strategy:
         divided by the global count (never a mean of per-micro-batch means). Returns the local CE sum."""
         total = torch.zeros((), device=self.device)
         for i, batch in enumerate(micro_batches):
-            batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+            batch = {k: to_device(v, self.device) for k, v in batch.items()}
             with self.accumulation_context(i == len(micro_batches) - 1):
                 ce_sum = token_loss_sum(self.model, batch, self.precision)
                 self.backward(ce_sum / num_target_tokens)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from trainer.errors import ConfigError
 from trainer.memory import count_optimizer_state, unique_params
-from trainer.strategies.base import Strategy, token_loss_sum
+from trainer.strategies.base import Strategy, to_device, token_loss_sum
 
 STAGES = {"zero1": 1, "zero2": 2, "zero3": 3, "zero3_offload": 3}
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
@@ -260,7 +260,7 @@ class DeepSpeedStrategy(Strategy):
     def forward_backward(self, micro_batches, num_target_tokens: int) -> torch.Tensor:
         total = torch.zeros((), device=self.device)
         for batch in micro_batches:
-            batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+            batch = {k: to_device(v, self.device) for k, v in batch.items()}
             ce_sum = token_loss_sum(self.engine, batch, self.precision)
             # x dp: DeepSpeed averages over the data-parallel ranks; scale_wrt_gas=False: no 1/accumulation.
             self.engine.backward(ce_sum * (self.dp_size / num_target_tokens), scale_wrt_gas=False)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.data.datasets import IGNORE
+from trainer.strategies.base import to_device
 from trainer.strategies.fsdp import FSDPStrategy, _write
 
 SCHEDULES = {
@@ -371,8 +372,8 @@ class ModelParallelStrategy(FSDPStrategy):
             return super().forward_backward(micro_batches, num_target_tokens)
         self._n_target = num_target_tokens
         self._ce_sums = []
-        inputs = torch.cat([b["input_ids"] for b in micro_batches]).to(self.device)
-        labels = torch.cat([b["labels"] for b in micro_batches]).to(self.device)
+        inputs = to_device(torch.cat([b["input_ids"] for b in micro_batches]), self.device)
+        labels = to_device(torch.cat([b["labels"] for b in micro_batches]), self.device)
         args = (inputs,) if self.has_first_stage else ()
         target = labels if self.has_last_stage else None
         self.schedule.step(*args, target=target, losses=[] if self.has_last_stage else None)
