@@ -4,6 +4,8 @@ the pipeline, DCP checkpoints with exact resume and resume under other degrees, 
 model split by its config's tensor-parallel plan."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -86,6 +88,15 @@ def _check_parity(name, recs, reference, tol=1e-4, steps=10):
 def test_tp_ws2_with_accumulation_matches_single_process(reference, tp_run):
     """Also shows that saving, evaluating and exporting do not disturb training."""
     _check_parity("tp-ws2 (accumulation 4)", metrics(tp_run), metrics(reference))
+
+
+def test_tp_gradients_keep_their_parameters_layout(tp_run):
+    """fp32: each rank's gradients take exactly the bytes of its parameter shards. Torch's embedding backward
+    returns the vocabulary-split embedding's gradient whole (Replicate); the strategy keeps the local slice."""
+    data = json.loads((tp_run / "memory.json").read_text())
+    for r in data["ranks"]:
+        step = r["points"]["optimizer_step"]
+        assert step["grads"] == step["params"] > 0, (r["rank"], step["grads"], step["params"])
 
 
 @pytest.mark.parametrize("schedule", [pytest.param(s, marks=pytest.mark.slow) if s in SLOW_SCHEDULES else s

@@ -186,7 +186,9 @@ class ModelParallelStrategy(FSDPStrategy):
                 self._apply_tp(part, plans.tp_plan(part, d.tp))
             if self.dp_mesh is not None:
                 self.fully_shard([b for _, b in decoder_blocks(part)], root, self.dp_mesh)
-            self.materialize(root)
+            self.materialize(root)  # new parameter objects: hooks go on after it
+            if d.tp > 1 and self.dp_mesh is None:  # FSDP2 brings its parameters' gradients to their layout itself
+                _grads_in_param_layout(part)
         for _, part in self.parts:
             if initial_weights is not None and hasattr(initial_weights, "read"):
                 self.load_initial_weights(part, initial_weights)
@@ -490,3 +492,22 @@ class ModelParallelStrategy(FSDPStrategy):
                 yield name, t
             else:
                 yield name, torch.empty(0)
+
+
+def _grads_in_param_layout(module) -> None:
+    """Each DTensor parameter's gradient in the parameter's own layout. Torch's embedding backward returns the
+    vocabulary-split weight's gradient Replicate: without this, every tensor-parallel rank would hold the whole
+    embedding gradient (vocabulary x hidden) until the optimizer step. Replicate -> Shard keeps the local slice, no
+    communication (FSDP2 does the same for the parameters it manages)."""
+    from torch.distributed.tensor import DTensor
+
+    def hook(param):
+        def to_param_layout(grad):
+            if isinstance(grad, DTensor) and grad.placements != param.placements:
+                return grad.redistribute(param.device_mesh, param.placements)
+            return grad
+        return to_param_layout
+
+    for p in module.parameters():
+        if isinstance(p, DTensor) and p.requires_grad:
+            p.register_hook(hook(p))
