@@ -109,7 +109,7 @@ def hf_worker(spec_path: str) -> None:
     if hf_optim == "match":  # the kernel Tessera's build_optimizer picks for these parameters
         from trainer.optim import implementation_kwargs
 
-        fused = implementation_kwargs(cfg.optim.implementation, list(model.parameters())).get("fused")
+        fused = implementation_kwargs(cfg.optim.implementation, list(model.parameters()), cfg.optim.name).get("fused")
         hf_optim = "adamw_torch_fused" if fused else "adamw_torch"
     accum = t.global_batch_size // (t.micro_batch_size * world)
     ds_config = None

@@ -119,7 +119,7 @@ def bare_worker(spec_path: str) -> None:
     from trainer.optim import implementation_kwargs  # the kernel the trainer's config picks (fused by default)
 
     opt = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                            **implementation_kwargs(o.implementation, decay + no_decay))
+                            **implementation_kwargs(o.implementation, decay + no_decay, o.name))
 
     p = cfg.precision
     amp_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[p.name]

@@ -15,7 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-SUPPORTED_TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "colwise_rep", "embedding_rowwise")
+# Hugging Face's plan styles that Tessera applies (trainer/strategies/tensor_parallel.py). `moe_tp_experts`:
+# the experts stay whole on every rank (their parameter-level entries, `packed_colwise` and the like, are then
+# not applied); attention and dense MLPs are split.
+SUPPORTED_TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "colwise_rep", "embedding_rowwise",
+                       "rowwise_split_input", "replicated_with_grad_allreduce", "moe_tp_experts")
 
 # Plans for architectures whose config has none; same style names as Hugging Face's.
 _OWN_TP_PLANS = {
@@ -27,6 +31,21 @@ _OWN_TP_PLANS = {
 }
 
 
+def ties_embeddings(model) -> bool:
+    """Whether the input embedding and the LM head are one weight."""
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if embed is not None and head is not None and getattr(head, "weight", None) is getattr(embed, "weight", 0):
+        return True
+    return bool(getattr(text, "tie_word_embeddings", False) and head is not None)
+
+
+def is_moe(model) -> bool:
+    """Whether the model has mixture-of-experts blocks (modules named `experts`)."""
+    return any(n.rpartition(".")[2] == "experts" for n, _ in model.named_modules())
+
+
 def tp_plan(model, tp: int) -> Optional[Dict[str, str]]:
     """The tensor-parallel plan of `model` (full module paths with `*` for a layer index), or None when the
     architecture has none."""
@@ -36,27 +55,44 @@ def tp_plan(model, tp: int) -> Optional[Dict[str, str]]:
         return None
     prefix = getattr(model, "base_model_prefix", "")
     plan = {(f"{prefix}.{k}" if prefix else k): v for k, v in base.items()}
+    # Experts stay whole (moe_tp_experts): their parameter-level entries (packed_colwise, ...) do not apply.
+    whole = [k for k, v in plan.items() if v == "moe_tp_experts"]
+    plan = {k: v for k, v in plan.items() if not any(k.startswith(w + ".") for w in whole)}
     vocab = getattr(config, "vocab_size", 0)
-    # Tied embeddings would need one weight split two ways: both stay replicated then.
-    if vocab and vocab % tp == 0 and not getattr(config, "tie_word_embeddings", False):
-        embed = model.get_input_embeddings()
+    names = {id(m): n for n, m in model.named_modules()}
+    embed = model.get_input_embeddings()
+    if ties_embeddings(model) and embed is not None:
+        # Tied embeddings would need one weight split two ways: both stay replicated then.
+        plan.pop(names.get(id(embed)), None)
+        return plan
+    if vocab and vocab % tp == 0:
         head = model.get_output_embeddings()
-        names = {id(m): n for n, m in model.named_modules()}
         if embed is not None and id(embed) in names:
             plan[names[id(embed)]] = "embedding_rowwise"
         if head is not None and id(head) in names:
             plan[names[id(head)]] = "colwise_gather_output"
+    else:
+        plan.pop(names.get(id(embed)), None)  # a vocabulary that does not divide: embeddings and head stay whole
     return plan
 
 
-def tp_plan_problems(model_type: str, has_plan: bool, info, tp: int) -> List[str]:
+def tp_plan_problems(model, info, tp: int) -> List[str]:
+    """Whether `model` can be split `tp` ways: a plan whose styles Tessera applies, heads that divide."""
     problems = []
     if tp <= 1:
         return problems
-    if not has_plan:
+    model_type = model.config.model_type
+    plan = tp_plan(model, tp)
+    if plan is None:
         problems.append(f"strategy.tp={tp}: the {model_type} architecture has no tensor-parallel plan (its config "
-                        f"has no base_model_tp_plan and Tessera has none for it); set strategy.tp=1 or use a "
-                        f"Llama-style model")
+                        f"has no base_model_tp_plan, and its attention is not laid out for Tessera's own plan); "
+                        f"set strategy.tp=1 (fsdp, pp and ZeRO train it)")
+    else:
+        unknown = sorted({st for st in plan.values() if st not in SUPPORTED_TP_STYLES})
+        if unknown:
+            problems.append(f"strategy.tp={tp}: the {model_type} tensor-parallel plan uses style(s) "
+                            f"{', '.join(map(repr, unknown))}, which Tessera does not apply (supported: "
+                            f"{', '.join(SUPPORTED_TP_STYLES)}); set strategy.tp=1")
     if info.num_heads % tp:
         problems.append(f"strategy.tp={tp} must divide the attention heads ({info.num_heads}); change strategy.tp or "
                         f"model.num_heads")
@@ -74,23 +110,56 @@ class PipelineSplit:
     zeroed_on_later_stages: List[str] = field(default_factory=list)
 
 
-_SPLITS = {
-    "gpt2": PipelineSplit("transformer.h", ["transformer.wte", "transformer.wpe"], ["transformer.ln_f", "lm_head"],
-                          zeroed_on_later_stages=["transformer.wpe"]),
-}
-
-
 def pipeline_split(model) -> Optional[PipelineSplit]:
-    """How to cut `model` into pipeline stages; Llama-like decoders (`model.embed_tokens`, `model.layers`,
-    `model.norm`, `lm_head`: Llama, Mistral, Qwen2/3, ...) are found by their module names."""
-    model_type = model.config.model_type
-    if model_type in _SPLITS:
-        return _SPLITS[model_type]
-    names = {n for n, _ in model.named_modules()}
-    prefix = getattr(model, "base_model_prefix", "model")
-    if {f"{prefix}.embed_tokens", f"{prefix}.layers", f"{prefix}.norm", "lm_head"} <= names:
-        return PipelineSplit(f"{prefix}.layers", [f"{prefix}.embed_tokens"], [f"{prefix}.norm", "lm_head"])
-    return None
+    """How to cut `model` into pipeline stages, derived from its structure: the ModuleList holding the decoder
+    blocks (`_no_split_modules`), and beside it, in the module that owns that list, the modules with parameters
+    that run before the blocks (the token embedding, additive position embeddings, an input projection) and
+    after them (final norm, output projection); the LM head outside it runs last. Modules without parameters
+    (rotary tables, dropout) stay on every stage. None when the model does not have that shape."""
+    from torch import nn
+
+    from models.init import decoder_blocks
+
+    blocks = decoder_blocks(model)
+    if not blocks:
+        return None
+    layers = {name.rpartition(".")[0] for name, _ in blocks}
+    if len(layers) != 1 or not isinstance(model.get_submodule(next(iter(layers))), nn.ModuleList):
+        return None
+    layers = next(iter(layers))
+    owner_path = layers.rpartition(".")[0]
+    owner = model.get_submodule(owner_path) if owner_path else model
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if embed is None or head is None:
+        return None
+    names = {id(m): n for n, m in model.named_modules()}
+    first, last, zeroed = [], [], []
+    for child_name, child in owner.named_children():
+        path = f"{owner_path}.{child_name}" if owner_path else child_name
+        if path == layers or child is None or not any(True for _ in child.parameters()):
+            continue
+        if child is embed:
+            first.append(path)
+        elif isinstance(child, nn.Embedding):  # an additive position embedding: later stages add zeros
+            first.append(path)
+            zeroed.append(path)
+        elif "proj_in" in child_name or "project_in" in child_name:
+            first.append(path)
+        else:
+            last.append(path)
+    if names.get(id(embed)) not in first:
+        return None
+    # Everything with parameters outside the owner must be the head.
+    head_path = names.get(id(head))
+    for child_name, child in model.named_children():
+        if child is owner or child_name == head_path or not any(True for _ in child.parameters()):
+            continue
+        if owner_path and owner_path.startswith(child_name + "."):
+            continue
+        return None
+    if head_path is None:
+        return None
+    return PipelineSplit(layers, first, last + [head_path], zeroed_on_later_stages=zeroed)
 
 
 def stage_layers(num_layers: int, num_stages: int, split_points: Optional[List[int]] = None) -> List[range]:

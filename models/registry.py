@@ -151,7 +151,9 @@ def describe(m, tokenizer) -> ModelInfo:
     except Exception as e:  # noqa: BLE001 - transformers' config validation: report it as a model problem
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelError(f"model: the {m.kind} config from model.* is invalid: {first}") from None
-    if m.attn_implementation:
+    if get_spec(m.kind).pretrained:
+        _require_causal_decoder(m, hf_config)
+    if m.attn_implementation:  # an explicit choice; null leaves it to transformers (what the model supports)
         hf_config._attn_implementation = m.attn_implementation
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
 
@@ -174,8 +176,53 @@ def describe(m, tokenizer) -> ModelInfo:
     )
 
 
+def _require_causal_decoder(m, hf_config) -> None:
+    """Refuse a model that is not a causal decoder (before any process group starts). A causal LM class alone
+    is not enough: transformers maps BERT-likes to a `...LMHeadModel`/`...ForCausalLM` that only works as a
+    decoder (`is_decoder=True`), and BART-likes to the decoder half of an encoder-decoder."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    model_type = getattr(hf_config, "model_type", None) or type(hf_config).__name__
+    why = None
+    if getattr(hf_config, "is_encoder_decoder", False):
+        why = "but an encoder-decoder"
+    elif model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not (
+            getattr(hf_config, "is_decoder", False) or getattr(hf_config, "causal", False)):
+        why = "but a bidirectional encoder (its config has is_decoder=false)"
+    elif type(hf_config) not in AutoModelForCausalLM._model_mapping and \
+            "AutoModelForCausalLM" not in (getattr(hf_config, "auto_map", None) or {}):
+        why = "and transformers has no causal LM class for it"
+    if why:
+        raise ModelError(f"model.name_or_path: {m.name_or_path} holds a {model_type} model, which is not a causal "
+                         f"decoder ({why}); Tessera trains causal language models (AutoModelForCausalLM)")
+
+
+def attention_problems(cfg, info: ModelInfo) -> list:
+    """An explicit model.attn_implementation the model or this machine can't run, as one problem (checked on
+    the model built on the meta device: transformers' own checks, no weights)."""
+    impl = cfg.model.attn_implementation
+    if not impl:
+        return []
+    if "flash" in impl:
+        device = cfg.train.device
+        if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+            return [f"model.attn_implementation={impl} needs a CUDA device but training runs on the CPU "
+                    f"(train.device={device}); leave model.attn_implementation null (the model's default) or use "
+                    f"sdpa or eager"]
+    from models.init import meta_model
+
+    try:
+        meta_model(info.hf_config)
+    except Exception as e:  # noqa: BLE001 - transformers raises ValueError / ImportError with long messages
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first.split(" Please request")[0]  # transformers' advice to file an issue is not for the user
+        return [f"model.attn_implementation={impl} can't be used with this model here: {first}"]
+    return []
+
+
 def model_problems(cfg, info: ModelInfo, tokenizer) -> list:
-    problems = []
+    problems = attention_problems(cfg, info)
     if cfg.data.seq_len > info.max_positions:
         key = "model.max_position_embeddings" if cfg.model.kind != "hf" else "the model's max_position_embeddings"
         problems.append(f"data.seq_len={cfg.data.seq_len} exceeds {key}={info.max_positions}; lower data.seq_len")

@@ -25,7 +25,11 @@ class ModelConfig:
     # Tokenizer: "embedded" is the byte-level tokenizer shipped in the code; otherwise a folder or hub id.
     # For kind=hf, null means the model's own tokenizer.
     tokenizer: Optional[str] = "embedded"
-    attn_implementation: Optional[str] = "sdpa"
+    # Attention kernel (Hugging Face's attn_implementation: eager, sdpa, flex_attention, flash_attention_2, ...).
+    # null = chosen from what the model supports (transformers' default: sdpa where the architecture supports
+    # it, else eager, e.g. Gemma-2's softcapped attention); an explicit value is used as given, and one the
+    # model or machine can't run is a config error.
+    attn_implementation: Optional[str] = None
     # Preset sizes (ignored for kind=hf).
     hidden_size: int = 256
     num_layers: int = 4
@@ -178,6 +182,8 @@ class LoggingConfig:
 @dataclass
 class ExportConfig:
     hf_at_end: bool = True  # write <run dir>/hf at the end of training
+    # dtype of the exported weights (hf/ and `python -m trainer.export`): the fp32 master weights cast to it.
+    dtype: str = "fp32"  # fp32 | bf16 | fp16
 
 
 @dataclass
@@ -215,6 +221,7 @@ CHOICES = {
     "scheduler.name": ("constant", "linear", "cosine"),
     "precision.name": ("fp32", "bf16", "fp16"),
     "train.activation_checkpointing": ("none", "full"),
+    "export.dtype": ("fp32", "bf16", "fp16"),
 }
 
 

@@ -1,10 +1,12 @@
 """Export a checkpoint as a Hugging Face model folder (safetensors + config + tokenizer).
 
-    python -m trainer.export <checkpoint> <out dir>
+    python -m trainer.export <checkpoint> <out dir> [--dtype fp32|bf16|fp16]
 
 <checkpoint> is a `step_<N>` folder, a run's `checkpoints/` folder or a run directory (then its newest complete
 checkpoint). Whatever strategy and world size saved it, the result loads with
-`AutoModelForCausalLM.from_pretrained(<out dir>)`. One process, no process group.
+`AutoModelForCausalLM.from_pretrained(<out dir>)`. One process, no process group. The weights written are the
+fp32 master weights cast to the run's `export.dtype` (read from the checkpoint's config.yaml; fp32 when it has
+none), or to `--dtype`: the same weights, in the same dtype, as the run's own end-of-run `hf/` export.
 """
 from __future__ import annotations
 
@@ -14,8 +16,30 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+DTYPES = ("fp32", "bf16", "fp16")
 
-def export_checkpoint(checkpoint: str, out_dir: str) -> str:
+
+def checkpoint_export_dtype(path: str) -> str:
+    """export.dtype of the run that saved the checkpoint folder `path` (its config.yaml); fp32 if it has none."""
+    from omegaconf import OmegaConf
+
+    from trainer.checkpoint import CheckpointError
+
+    config = os.path.join(path, "config.yaml")
+    if not os.path.isfile(config):
+        return "fp32"
+    try:
+        dtype = OmegaConf.select(OmegaConf.load(config), "export.dtype", default="fp32")
+    except Exception as e:  # noqa: BLE001 - a damaged YAML file
+        raise CheckpointError(f"{config}: cannot read it ({e}); pass --dtype") from None
+    if dtype not in DTYPES:
+        raise CheckpointError(f"{config}: export.dtype={dtype!r} is not one of {', '.join(DTYPES)}; pass --dtype")
+    return dtype
+
+
+def export_checkpoint(checkpoint: str, out_dir: str, dtype: str | None = None) -> str:
+    """Write the checkpoint's fp32 master weights, cast to `dtype` (None: the run's export.dtype), as an HF
+    folder. Returns the checkpoint folder exported."""
     import torch
     import torch.distributed.checkpoint as dcp
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -31,14 +55,17 @@ def export_checkpoint(checkpoint: str, out_dir: str) -> str:
         raise ckpt.CheckpointError(f"{checkpoint}: no complete checkpoint")
     meta = ckpt.read_meta(path)
     ckpt.verify_files(path, meta)
+    if dtype is None:
+        dtype = checkpoint_export_dtype(path)
     hf_dir = os.path.join(path, "hf_config")
     config = AutoConfig.from_pretrained(hf_dir)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     if meta.get("checkpoint_format") == "deepspeed":
-        _export_deepspeed(path, config, tokenizer, out_dir)
+        _export_deepspeed(path, config, tokenizer, out_dir, dtype)
         return path
+    # DCP holds the fp32 master weights: read them into an fp32 model (whatever dtype its config names).
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model = model.to_empty(device="cpu")
     state = {"model": model.state_dict()}
     try:
@@ -50,13 +77,14 @@ def export_checkpoint(checkpoint: str, out_dir: str) -> str:
         raise ckpt.CheckpointError(f"cannot read the model from {path}: {ckpt._short(e)}") from None
     model.load_state_dict(state["model"])
     model.tie_weights()
-    write_hf_folder(model, tokenizer, out_dir)
+    write_hf_folder(model, tokenizer, out_dir, dtype=dtype)
     return path
 
 
-def _export_deepspeed(path: str, config, tokenizer, out_dir: str) -> None:
-    """ZeRO shards -> HF folder, one parameter at a time (DeepSpeed's lazy fp32 reconstruction), so the full
-    fp32 model is never held at once. DeepSpeed's own files are pickles: export only checkpoints you trust."""
+def _export_deepspeed(path: str, config, tokenizer, out_dir: str, dtype: str) -> None:
+    """ZeRO shards -> HF folder, one parameter at a time (DeepSpeed's lazy fp32 reconstruction of the master
+    weights), so the full fp32 model is never held at once. DeepSpeed's own files are pickles: export only
+    checkpoints you trust."""
     import contextlib
     import io
 
@@ -66,26 +94,25 @@ def _export_deepspeed(path: str, config, tokenizer, out_dir: str) -> None:
 
     with contextlib.redirect_stdout(io.StringIO()):  # its progress chatter
         lazy = get_fp32_state_dict_from_zero_checkpoint(path, tag="zero", lazy_mode=True)
-    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    dtype = getattr(__import__("torch"), str(dtype).replace("torch.", "")) if dtype else None
 
     def tensors():
         for name, value in lazy.items():
-            t = value.contiguous()
-            yield name, t.to(dtype) if dtype is not None and t.is_floating_point() else t
+            yield name, value.contiguous()
 
-    write_hf_folder_streaming(config, tokenizer, out_dir, tensors(), writer=True)
+    write_hf_folder_streaming(config, tokenizer, out_dir, tensors(), writer=True, dtype=dtype)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="a step_<N> folder, a checkpoints/ folder or a run directory")
     parser.add_argument("out_dir", help="where to write the Hugging Face model folder")
+    parser.add_argument("--dtype", choices=DTYPES, default=None,
+                        help="dtype of the written weights (default: the run's export.dtype, fp32 if unset)")
     args = parser.parse_args(argv)
     from trainer.errors import TesseraError
 
     try:
-        path = export_checkpoint(args.checkpoint, args.out_dir)
+        path = export_checkpoint(args.checkpoint, args.out_dir, dtype=args.dtype)
     except TesseraError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

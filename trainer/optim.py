@@ -23,24 +23,41 @@ def param_groups(named_params, weight_decay: float):
 IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop")
 
 
-def fused_supported(params) -> bool:
-    """Whether torch's fused optimizer kernels take every parameter: floating point, on a device type that has
-    them (CUDA, CPU, ...). DTensors qualify through their local device (DTensor implements the fused ops)."""
+# Optimizers whose fused kernel DTensor parameters (FSDP2, tensor and pipeline layouts) take: torch registers
+# sharding rules for aten._fused_adam(w)_ but not for aten._fused_sgd_ (tests/unit/test_optim.py checks both).
+DTENSOR_FUSED = frozenset({"adamw"})
+
+
+def fused_supported(params, optimizer: str = "adamw") -> bool:
+    """Whether torch's fused kernel of `optimizer` takes every parameter: floating point, on a device type that
+    has them (CUDA, CPU, ...), and, for DTensor parameters, an optimizer whose fused op DTensor implements."""
+    from torch.distributed.tensor import DTensor
     from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
     devices = set(_get_fused_kernels_supported_devices())
+    if optimizer not in DTENSOR_FUSED and any(isinstance(p, DTensor) for p in params):
+        return False
     return all(torch.is_floating_point(p) and p.device.type in devices for p in params)
 
 
-def implementation_kwargs(implementation: str, params) -> dict:
+def implementation_problems(cfg, uses_dtensor_parameters: bool):
+    """Config problems of optim.implementation known before the model exists."""
+    o = cfg.optim
+    if o.implementation == "fused" and uses_dtensor_parameters and o.name not in DTENSOR_FUSED:
+        return [f"optim.implementation=fused: torch has no fused {o.name} kernel for the DTensor parameters of "
+                f"strategy={cfg.strategy.name}; use optim.implementation=auto (fused where it applies) or foreach"]
+    return []
+
+
+def implementation_kwargs(implementation: str, params, optimizer: str = "adamw") -> dict:
     """Keyword arguments choosing the kernel: `auto` takes the fused one where it applies (one kernel for all
     parameters; on CPU 4-5x faster than the per-parameter loop for a 100M model), else torch's default.
     An explicit `fused` where the kernel does not apply is a config problem, not an error deep inside torch."""
-    if implementation == "fused" and not fused_supported(params):
+    if implementation == "fused" and not fused_supported(params, optimizer):
         kinds = sorted({f"{p.dtype} on {p.device.type}" for p in params})
         raise ConfigError([f"optim.implementation='fused': torch has no fused optimizer kernel for these parameters "
                            f"({', '.join(kinds)}); use optim.implementation=auto (fused where it applies) or foreach"])
-    if implementation == "fused" or (implementation == "auto" and fused_supported(params)):
+    if implementation == "fused" or (implementation == "auto" and fused_supported(params, optimizer)):
         return {"fused": True}
     if implementation == "foreach":
         return {"foreach": True}
@@ -52,7 +69,7 @@ def implementation_kwargs(implementation: str, params) -> dict:
 def build_optimizer(cfg, named_params) -> torch.optim.Optimizer:
     o = cfg.optim
     groups = param_groups(named_params, o.weight_decay)
-    kernel = implementation_kwargs(o.implementation, [p for g in groups for p in g["params"]])
+    kernel = implementation_kwargs(o.implementation, [p for g in groups for p in g["params"]], o.name)
     if o.name == "adamw":
         return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, **kernel)
     if o.name == "sgd":

@@ -104,7 +104,7 @@ def _optimizer_bytes_per_param(cfg) -> int:
 def _stage_share(cfg, dims, counts: Counts, info) -> tuple:
     """(parameters on the heaviest pipeline rank, of which split by tensor parallelism) in elements."""
     from models import plans
-    from trainer.strategies.model_parallel import stage_indices, stages_per_rank, SCHEDULES
+    from trainer.strategies.pipeline import SCHEDULES, stage_indices, stages_per_rank
 
     s = cfg.strategy
     if dims.pp <= 1:

@@ -1,6 +1,7 @@
 """Precision policies: fp32, bf16 (autocast, fp32 master weights) and fp16 (autocast + dynamic loss scaling)."""
 from __future__ import annotations
 
+import copy
 from contextlib import nullcontext
 
 import torch
@@ -18,6 +19,15 @@ class Precision:
         if p.name == "fp16":
             self.scaler = torch.amp.GradScaler(device.type, init_scale=p.init_scale, growth_factor=p.growth_factor,
                                                backoff_factor=p.backoff_factor, growth_interval=p.growth_interval)
+
+    def with_cast_by_wrapper(self, cast_by_wrapper: bool) -> "Precision":
+        """This policy for a model whose wrapper casts parameters to the compute dtype itself (FSDP's
+        mixed-precision policy): the same loss scaling, no autocast on top. Otherwise itself."""
+        if not cast_by_wrapper:
+            return self
+        other = copy.copy(self)
+        other.autocast_dtype = None
+        return other
 
     def autocast(self):
         if self.autocast_dtype is None:

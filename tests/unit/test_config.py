@@ -235,6 +235,14 @@ def test_check_heads_not_dividing_hidden_is_a_config_problem(compose):
     _only_one(problems, "optim.lr=-1")
 
 
+def test_export_dtype_defaults_to_fp32_and_takes_only_known_dtypes(compose):
+    assert compose().export.dtype == "fp32"
+    for dtype in ("fp32", "bf16", "fp16"):
+        assert C.validate(compose([f"export.dtype={dtype}"]), 1) == []
+    problems = _check_problems(compose(["export.dtype=float8"]), 1)
+    assert "fp32, bf16, fp16" in _only_one(problems, "export.dtype='float8'")
+
+
 def test_check_hf_without_name_or_path_is_a_config_problem(compose):
     cfg = compose(["model=hf"])
     problems = _check_problems(cfg, 1)

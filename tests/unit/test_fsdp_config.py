@@ -9,7 +9,7 @@ from trainer import config as C
 from trainer.build import check
 from trainer.errors import ConfigError
 from trainer.strategies import base
-from trainer.strategies.fsdp import FSDPStrategy
+from trainer.strategies.torch_native import TorchNativeStrategy as FSDPStrategy
 
 
 def _problems(cfg, world_size):

@@ -1,6 +1,7 @@
 """models/weights.py: a pretrained checkpoint read tensor by tensor, or rows of one, from every layout that
 save_pretrained writes (single / sharded safetensors, pytorch_model.bin / its index), with or without the
-model's base_model_prefix."""
+model's base_model_prefix; and with transformers' own loading rules (renamed keys, per-expert tensors fused into
+the model's 3-D expert parameters, tied weights), checked against what from_pretrained loads."""
 from __future__ import annotations
 
 import json
@@ -185,3 +186,339 @@ def test_unreadable_checkpoint_file_is_a_model_error(tmp_path):
     with pytest.raises(ModelError) as info:
         weights.read(name)
     assert "model.name_or_path" in str(info.value) and lost in str(info.value)
+
+
+# ---- transformers' own key renaming, expert fusing and weight tying (models/checkpoint_keys.py) ---------------
+# Each tiny model is saved, then every tensor read here must be exactly what from_pretrained puts in the model.
+
+def _neox():
+    from transformers import GPTNeoXConfig
+
+    return GPTNeoXConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, max_position_embeddings=64, tie_word_embeddings=False)
+
+
+def _mixtral():
+    from transformers import MixtralConfig
+
+    return MixtralConfig(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                         max_position_embeddings=64)
+
+
+def _qwen3_moe():
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(vocab_size=300, hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                          num_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
+
+
+def _gpt2_tied():
+    return GPT2Config(vocab_size=300, n_embd=32, n_layer=2, n_head=4, n_positions=64, tie_word_embeddings=True,
+                      bos_token_id=0, eos_token_id=0)
+
+
+def _llama_tied():
+    return LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                       tie_word_embeddings=True)
+
+
+def _llama_untied():
+    cfg = _llama_tied()
+    cfg.tie_word_embeddings = False
+    return cfg
+
+
+CONFIGS = {"gpt_neox": _neox, "mixtral": _mixtral, "qwen3_moe": _qwen3_moe, "gpt2": _gpt2_tied,
+           "llama": _llama_untied, "llama-tied": _llama_tied}
+
+
+def _hf_model(make_config):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(make_config()).eval()
+
+
+def _reference(folder):
+    """What from_pretrained puts in each tensor of the model: the truth the reads are checked against."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder).state_dict()
+
+
+def _hf_m(path):
+    return SimpleNamespace(name_or_path=str(path), revision=None, trust_remote_code=False)
+
+
+def _blocks(shape):
+    """Blocks a sharding strategy asks for: rows, rows x columns, and for 3-D expert tensors experts x rows x
+    columns (rows across the gate/up seam of a fused gate_up_proj)."""
+    if len(shape) == 1:
+        return [slice(1, 3), (slice(shape[0] // 2, shape[0]),)]
+    if len(shape) == 2:
+        return [slice(1, 3), (slice(1, 3), slice(shape[1] // 2, shape[1]))]
+    e, r, c = shape
+    return [(slice(1, 3), slice(None)), (slice(1, 3),), (slice(0, e), slice(r // 2 - 2, r // 2 + 3)),
+            (slice(e - 1, e), slice(1, r, 1), slice(c // 2, c)), (slice(0, e, 2), slice(0, r), slice(0, c))]
+
+
+def _check_reads_like_from_pretrained(model, folder):
+    ref = _reference(folder)
+    weights = PretrainedWeights(_hf_m(folder), model.base_model_prefix)
+    names = [n for n, _ in model.named_parameters()]
+    assert set(names) <= set(ref)
+    assert weights.missing(names) == [] and weights.missing(ref) == []
+    for name, want in ref.items():
+        assert torch.equal(want, model.state_dict()[name]), name  # the save/load round trip itself is exact
+        assert weights.key(name) is not None, name
+        assert weights.shape(name) == list(want.shape), name
+        got = weights.read(name)
+        assert got.dtype == want.dtype and torch.equal(got, want), name
+        for block in _blocks(list(want.shape)):
+            assert torch.equal(weights.read(name, block), want[block]), (name, block)
+    weights.close()
+    return weights
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_reads_what_from_pretrained_loads(tmp_path, kind):
+    """save_pretrained writes transformers' checkpoint layout (per-expert tensors, `embed_out`, tied weights left
+    out); every tensor, and blocks of it, reads as from_pretrained loads it."""
+    model = _hf_model(CONFIGS[kind])
+    model.save_pretrained(tmp_path)
+    _check_reads_like_from_pretrained(model, tmp_path)
+
+
+def _load_state(folder):
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+def _file_keys(folder):
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as fh:
+        return set(fh.keys())
+
+
+def test_checkpoint_key_names_per_architecture(tmp_path):
+    """The renamed and fused keys: GPT-NeoX's `embed_out.weight` is `lm_head.weight`; Mixtral's
+    `block_sparse_moe.experts.{i}.w1/w3.weight` make `mlp.experts.gate_up_proj` and `w2` makes
+    `mlp.experts.down_proj`; Qwen3-MoE's `mlp.experts.{i}.gate_proj/up_proj/down_proj.weight` likewise; a tied
+    `lm_head.weight` the checkpoint lacks is the input embedding."""
+    folders = {}
+    for kind in ("gpt_neox", "mixtral", "qwen3_moe", "gpt2"):
+        folders[kind] = tmp_path / kind
+        _hf_model(CONFIGS[kind]).save_pretrained(folders[kind])
+    w = {kind: PretrainedWeights(_hf_m(f), "") for kind, f in folders.items()}
+
+    assert "embed_out.weight" in _file_keys(folders["gpt_neox"])
+    assert w["gpt_neox"].key("lm_head.weight") == "embed_out.weight"
+
+    keys = _file_keys(folders["mixtral"])
+    assert "model.layers.0.block_sparse_moe.experts.3.w1.weight" in keys
+    assert not any("gate_up_proj" in k for k in keys)  # save_pretrained writes the per-expert layout
+    prefix = "model.layers.1.block_sparse_moe.experts"
+    assert w["mixtral"].sources("model.layers.1.mlp.experts.gate_up_proj") == \
+        [f"{prefix}.{i}.w1.weight" for i in range(4)] + [f"{prefix}.{i}.w3.weight" for i in range(4)]
+    assert w["mixtral"].sources("model.layers.1.mlp.experts.down_proj") == [f"{prefix}.{i}.w2.weight" for i in range(4)]
+    assert w["mixtral"].key("model.layers.1.mlp.gate.weight") == "model.layers.1.block_sparse_moe.gate.weight"
+    assert w["mixtral"].shape("model.layers.1.mlp.experts.gate_up_proj") == [4, 2 * 48, 32]
+    assert w["mixtral"].shape("model.layers.1.mlp.experts.down_proj") == [4, 32, 48]
+
+    prefix = "model.layers.0.mlp.experts"
+    assert w["qwen3_moe"].sources("model.layers.0.mlp.experts.gate_up_proj") == \
+        [f"{prefix}.{i}.gate_proj.weight" for i in range(4)] + [f"{prefix}.{i}.up_proj.weight" for i in range(4)]
+    assert w["qwen3_moe"].sources("model.layers.0.mlp.experts.down_proj") == \
+        [f"{prefix}.{i}.down_proj.weight" for i in range(4)]
+    assert w["qwen3_moe"].shape("model.layers.0.mlp.experts.gate_up_proj") == [4, 2 * 24, 32]
+
+    assert "lm_head.weight" not in _file_keys(folders["gpt2"])
+    assert w["gpt2"].key("lm_head.weight") == "transformer.wte.weight"
+    assert w["gpt2"].missing(["lm_head.weight", "transformer.wte.weight", "transformer.no_such"]) == \
+        ["transformer.no_such"]
+
+
+def test_a_block_of_fused_experts_reads_only_its_experts(tmp_path, monkeypatch):
+    """Rank-local reads: a block of `gate_up_proj` reads its experts' gate and up tensors, only the rows of each
+    that the block reaches (none of the up tensors for rows of the gate half)."""
+    model = _hf_model(_mixtral)
+    model.save_pretrained(tmp_path)
+    weights = PretrainedWeights(_hf_m(tmp_path), "model")
+    want = _reference(tmp_path)["model.layers.0.mlp.experts.gate_up_proj"]
+    reads = []
+    real = PretrainedWeights._read_key
+
+    def spy(self, key, index=None):
+        out = real(self, key, index)
+        reads.append((key, out.numel()))
+        return out
+
+    monkeypatch.setattr(PretrainedWeights, "_read_key", spy)
+    block = (slice(1, 3), slice(10, 20), slice(8, 24))  # experts 1-2, rows of the gate half only
+    assert torch.equal(weights.read("model.layers.0.mlp.experts.gate_up_proj", block), want[block])
+    prefix = "model.layers.0.block_sparse_moe.experts"
+    assert sorted(k for k, n in reads if n) == [f"{prefix}.{i}.w1.weight" for i in (1, 2)]
+    assert sum(n for _, n in reads) == 2 * 10 * 16  # the block's bytes, no more
+    assert all(f"experts.{i}." not in k for k, _ in reads for i in (0, 3))
+
+    reads.clear()
+    block = (slice(3, 4), slice(40, 60))  # expert 3, rows across the gate/up seam (intermediate size 48)
+    assert torch.equal(weights.read("model.layers.0.mlp.experts.gate_up_proj", block), want[block])
+    assert sorted(k for k, _ in reads) == [f"{prefix}.3.w1.weight", f"{prefix}.3.w3.weight"]
+    assert sum(n for _, n in reads) == 20 * 32
+
+
+def _save_fused(model, folder):
+    """The layout of a checkpoint that already holds the model's own names (fused 3-D experts, `lm_head`): what
+    `model.state_dict()` is, tied copies left out."""
+    folder.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(folder)
+    params = dict(model.named_parameters())
+    state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()
+             if k in params or k not in dict(model.named_parameters(remove_duplicate=False))}
+    save_file(state, str(folder / "model.safetensors"))
+    return state
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "gpt_neox", "gpt2"])
+def test_checkpoint_in_the_models_own_layout(tmp_path, kind):
+    """A checkpoint stored under the model's names (fused experts, `lm_head.weight` for GPT-NeoX) loads as it
+    is, in from_pretrained and here."""
+    model = _hf_model(CONFIGS[kind])
+    state = _save_fused(model, tmp_path)
+    if kind in ("mixtral", "qwen3_moe"):
+        assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    weights = _check_reads_like_from_pretrained(model, tmp_path)
+    if kind in ("mixtral", "qwen3_moe"):
+        assert weights.key("model.layers.0.mlp.experts.gate_up_proj") == "model.layers.0.mlp.experts.gate_up_proj"
+
+
+def test_sharded_and_bin_per_expert_checkpoints(tmp_path):
+    """Per-expert tensors spread over several safetensors shards, and in a pytorch_model.bin."""
+    model = _hf_model(_mixtral)
+    sharded = tmp_path / "sharded"
+    model.save_pretrained(sharded, max_shard_size="20KB")
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    _check_reads_like_from_pretrained(model, sharded)
+
+    binary = tmp_path / "bin"
+    model.save_pretrained(binary)
+    torch.save(_load_state(binary), binary / "pytorch_model.bin")
+    (binary / "model.safetensors").unlink()
+    _check_reads_like_from_pretrained(model, binary)
+
+
+def test_legacy_key_spellings(tmp_path):
+    """transformers' `legacy` renamings (`LayerNorm.gamma` / `LayerNorm.beta`), on a BERT decoder as a causal LM,
+    and a GPT-2 checkpoint of the base model (no `transformer.` prefix) with its config."""
+    from transformers import BertConfig
+
+    model = _hf_model(lambda: BertConfig(vocab_size=300, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                         intermediate_size=64, max_position_embeddings=64, is_decoder=True))
+    model.save_pretrained(tmp_path / "bert")
+    state = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
+             for k, v in _load_state(tmp_path / "bert").items()}
+    assert "bert.embeddings.LayerNorm.gamma" in state
+    save_file(state, str(tmp_path / "bert" / "model.safetensors"))
+    weights = _check_reads_like_from_pretrained(model, tmp_path / "bert")
+    assert weights.key("bert.embeddings.LayerNorm.weight") == "bert.embeddings.LayerNorm.gamma"
+
+    model = _hf_model(_gpt2_tied)
+    model.save_pretrained(tmp_path / "gpt2")
+    state = {k.removeprefix("transformer."): v for k, v in _load_state(tmp_path / "gpt2").items()}
+    save_file(state, str(tmp_path / "gpt2" / "model.safetensors"))
+    weights = _check_reads_like_from_pretrained(model, tmp_path / "gpt2")
+    assert weights.key("lm_head.weight") == "wte.weight"
+
+
+def test_tied_source_missing_takes_the_target(tmp_path):
+    """from_pretrained ties symmetrically: a checkpoint with `lm_head.weight` but no input embedding gives the
+    embedding the lm_head's values."""
+    model = _hf_model(_llama_tied)
+    model.save_pretrained(tmp_path)
+    state = _load_state(tmp_path)
+    state["lm_head.weight"] = state.pop("model.embed_tokens.weight")
+    save_file(state, str(tmp_path / "model.safetensors"))
+    ref = _reference(tmp_path)
+    weights = PretrainedWeights(_hf_m(tmp_path), "model")
+    assert weights.missing(ref) == []
+    assert weights.key("model.embed_tokens.weight") == "lm_head.weight"
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        assert torch.equal(weights.read(name), ref[name])
+        assert torch.equal(weights.read(name, slice(5, 9)), ref[name][5:9])
+
+
+def test_untied_checkpoint_lacking_lm_head_is_missing(tmp_path):
+    model = _hf_model(_llama_untied)
+    model.save_pretrained(tmp_path)
+    state = _load_state(tmp_path)
+    del state["lm_head.weight"]
+    save_file(state, str(tmp_path / "model.safetensors"))
+    weights = PretrainedWeights(_hf_m(tmp_path), "model")
+    assert weights.missing(["lm_head.weight", "model.embed_tokens.weight"]) == ["lm_head.weight"]
+    assert weights.key("lm_head.weight") is None
+
+
+# Other operations transformers declares, each handled by the converter's own code here: a fused tensor split in
+# several (Chunk: HRM's `attn.gqkv_proj`; Split by the model's sizes: Lara's `linear_attn.in_proj`), and a plain
+# concatenation (OLMo-hybrid's q/k/v conv1d into `linear_attn.conv1d`, read block-wise). Skipped where the
+# installed transformers lacks the model.
+DECLARED = {
+    "hrm_text": ("model.H_module.layers.0.self_attn.k_proj.weight", "model.H_module.layers.0.attn.gqkv_proj.weight"),
+    "lara_mini": ("model.layers.0.linear_attn.in_proj_z.weight", "model.layers.0.linear_attn.in_proj.weight"),
+    "olmo_hybrid": ("model.layers.0.linear_attn.conv1d.weight", "model.layers.0.linear_attn.q_conv1d.weight"),
+}
+
+
+@pytest.mark.parametrize("model_type", list(DECLARED))
+def test_other_declared_conversions(tmp_path, model_type):
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {__import__('transformers').__version__} has no {model_type}")
+    cfg = AutoConfig.for_model(model_type, vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                               pad_token_id=0, bos_token_id=1, eos_token_id=1)
+    model = _hf_model(lambda: cfg)
+    model.save_pretrained(tmp_path)
+    name, first_key = DECLARED[model_type]
+    assert first_key in _file_keys(tmp_path) and name not in _file_keys(tmp_path)
+    weights = _check_reads_like_from_pretrained(model, tmp_path)
+    assert weights.key(name) == first_key
+
+
+def test_non_persistent_buffers_are_never_read(tmp_path):
+    """A checkpoint may hold a tensor the model keeps as a non-persistent buffer (old checkpoints stored rotary
+    `inv_freq`); from_pretrained ignores it, so it is not read here either."""
+    model = _hf_model(_llama_untied)
+    model.save_pretrained(tmp_path)
+    state = _load_state(tmp_path)
+    name = "model.rotary_emb.inv_freq"
+    assert name in dict(model.named_buffers()) and name not in model.state_dict()
+    state[name] = torch.zeros_like(dict(model.named_buffers())[name])
+    save_file(state, str(tmp_path / "model.safetensors"))
+    weights = PretrainedWeights(_hf_m(tmp_path), "model")
+    assert weights.key(name) is None and weights.missing([name]) == [name]
+    assert weights.key("model.norm.weight") == "model.norm.weight"
+
+
+def test_a_config_transformers_cannot_build_reads_keys_as_they_are(tmp_path, caplog):
+    """Without a model transformers knows (a config of an unknown model type), names are checkpoint keys, with or
+    without the base_model_prefix, as before; a warning says so."""
+    model = _llama()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "no_such_model_type"}))
+    weights = PretrainedWeights(_m(tmp_path), model.base_model_prefix)
+    with caplog.at_level("WARNING", logger="models.weights"):
+        assert weights.missing(dict(model.named_parameters())) == []
+    assert "key mapping is not available" in caplog.text
+    for name, p in model.named_parameters():
+        assert torch.equal(weights.read(name, slice(0, 2)), p.detach()[:2]), name
+    assert weights.key("embed_tokens.weight") == "model.embed_tokens.weight"

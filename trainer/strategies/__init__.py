@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from trainer.strategies.ddp import DDPStrategy
 from trainer.strategies.deepspeed import DeepSpeedStrategy
-from trainer.strategies.fsdp import FSDPStrategy
-from trainer.strategies.model_parallel import ModelParallelStrategy
 from trainer.strategies.single import SingleStrategy
+from trainer.strategies.torch_native import TorchNativeStrategy
 
 STRATEGIES = {}
-for _cls in (SingleStrategy, DDPStrategy, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy):
+for _cls in (SingleStrategy, DDPStrategy, DeepSpeedStrategy, TorchNativeStrategy):
     for _name in getattr(_cls, "names", None) or (_cls.name,):
         if _name in STRATEGIES:
             raise ValueError(f"strategy name {_name!r} is registered twice")

@@ -47,6 +47,7 @@ class Strategy:
     loads_pretrained_weights: ClassVar[bool] = False
     supports_compile: ClassVar[bool] = True
     uses_fsdp_options: ClassVar[bool] = False  # strategy.cpu_offload / param_dtype / reduce_dtype
+    uses_dtensor_parameters: ClassVar[bool] = False  # parameters are DTensors (optimizer kernels differ)
     # What save_checkpoint_state writes: checkpoints of one format are only read by strategies of the same.
     checkpoint_format: ClassVar[str] = "dcp"
 
@@ -61,7 +62,7 @@ class Strategy:
         problems = []
         for key in ("dp_replicate", "dp_shard", "tp", "pp"):
             value = getattr(cfg.strategy, key)
-            if value not in (1, -1) and key not in cls.degrees:
+            if value not in (1, -1) and key not in cls.degrees_of(cfg.strategy.name):
                 problems.append(f"strategy={cfg.strategy.name} does not use strategy.{key} (got {value}); set it to 1 "
                                 f"or pick a strategy that does")
         if not cls.uses_fsdp_options:
@@ -71,6 +72,9 @@ class Strategy:
                                     f"strategy={cfg.strategy.name} does not use it: leave it unset"
                                     + (" (DeepSpeed: strategy.offload_optimizer / offload_param)"
                                        if key == "cpu_offload" else ""))
+        from trainer.optim import implementation_problems
+
+        problems += implementation_problems(cfg, cls.uses_dtensor_parameters)
         if cfg.train.compile:
             if not cls.supports_compile:
                 problems.append(f"train.compile=true is not available with strategy={cfg.strategy.name}; set "
@@ -78,6 +82,11 @@ class Strategy:
             else:
                 problems += compile_problems(cfg.train.device)
         return problems
+
+    @classmethod
+    def degrees_of(cls, name: str) -> FrozenSet[str]:
+        """The degrees strategy `name` (one of the names this class serves) can use beyond 1."""
+        return cls.degrees
 
     @classmethod
     def model_problems(cls, cfg, info, dims) -> List[str]:
@@ -139,11 +148,8 @@ class Strategy:
 
     def grad_norm_and_clip(self, max_norm: float) -> torch.Tensor:
         """Global L2 norm of the gradient (before clipping), clipping to `max_norm` when it is > 0."""
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads, 2.0)
-        if max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(list(self.model.parameters()), max_norm, norm)
-        return norm
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        return clip_to_norm(params, grad_square_sum(p.grad for p in params).sqrt(), max_norm)
 
     def optimizer_step(self, max_norm: float):
         """Unscale, measure and clip the gradient, step (unless fp16 overflowed), zero. -> (norm, skipped)."""
@@ -259,9 +265,51 @@ class Strategy:
         """Write the model as Hugging Face safetensors + config + tokenizer into `out_dir`, atomically
         (a temporary folder renamed into place). Rank 0 writes; every rank must call."""
         if not dist.is_initialized() or dist.get_rank() == 0:
-            write_hf_folder(self.unwrapped(), tokenizer, out_dir)
+            write_hf_folder(self.unwrapped(), tokenizer, out_dir, dtype=self.cfg.export.dtype)
         if dist.is_initialized():
             dist.barrier()
+
+
+def grad_square_sum(grads) -> torch.Tensor:
+    """Sum of the squared entries of this rank's gradient tensors (their local parts, for DTensors), accumulated
+    in fp64: an fp32 sum drifts by ~1e-4 relative over a large embedding, so strategies would disagree on the norm
+    and on clipping. A DTensor's part counts 1/(its replicas): summed over every rank (world_square_sum), each
+    entry of the whole gradient then counts once, whatever the mesh."""
+    from torch.distributed.tensor import DTensor
+
+    total = torch.zeros((), dtype=torch.float64)
+    groups = {}
+    for g in grads:
+        replicas = 1
+        if isinstance(g, DTensor):
+            for dim, placement in enumerate(g.placements):
+                if placement.is_replicate():
+                    replicas *= g.device_mesh.size(dim)
+            g = g.to_local()
+        if g.numel():
+            groups.setdefault(replicas, []).append(g)
+    for replicas, local in groups.items():
+        sq = torch.stack(torch._foreach_norm(local, 2.0, dtype=torch.float64)).pow(2).sum()
+        total = total + sq.cpu() / replicas
+    return total
+
+
+def world_square_sum(grads, device: torch.device) -> torch.Tensor:
+    """grad_square_sum over every rank (one all-reduce): the squared norm of the whole model's gradient when
+    each rank holds a part of it (shards, stages), each DTensor part weighted by 1/(its replicas). (An all-reduce
+    over the mesh dimensions the gradient is split over would be fewer bytes, but FSDP2's 2-D (shard x tp) mesh
+    gives groups that miss ranks on gloo: measured, the norm came out ~30% low.)"""
+    sq = grad_square_sum(grads).to(device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(sq)
+    return sq
+
+
+def clip_to_norm(params, norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """Scale the gradients of `params` so that their global norm `norm` is at most `max_norm` (> 0)."""
+    if max_norm > 0 and params:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm.float())
+    return norm
 
 
 def compile_problems(device_spec: str) -> List[str]:
@@ -296,11 +344,12 @@ def _tensors_only(tree):
 
 
 def write_hf_folder_streaming(config, tokenizer, out_dir: str, named_tensors, writer: bool,
-                              max_shard_bytes: int = 2 << 30) -> None:
+                              max_shard_bytes: int = 2 << 30, dtype=None) -> None:
     """An HF model folder written one tensor at a time: `named_tensors` yields (name, tensor) on every rank
     (its iteration may be collective, e.g. gathering one sharded parameter at a time); the writer rank keeps at
     most one shard (`max_shard_bytes`) in memory, so no rank ever holds the whole model. Atomic like
-    write_hf_folder."""
+    write_hf_folder. `dtype` (fp32 / bf16 / fp16 or a torch dtype; None: as yielded): the writer casts every
+    floating-point tensor to it. config.json's `dtype` states the dtype written."""
     import json
 
     from safetensors.torch import save_file
@@ -321,13 +370,18 @@ def write_hf_folder_streaming(config, tokenizer, out_dir: str, named_tensors, wr
             weight_map.update({k: name for k in shard})
         shard, shard_bytes = {}, 0
 
+    cast_to, written = _export_torch_dtype(dtype), None
     for name, tensor in named_tensors:
         if not writer:
             continue
-        nbytes = tensor.numel() * tensor.element_size()
+        floating = tensor.is_floating_point()
+        target = cast_to if floating and cast_to is not None else tensor.dtype
+        if floating and written is None:
+            written = target
+        nbytes = tensor.numel() * target.itemsize
         if shard and shard_bytes + nbytes > max_shard_bytes:
             flush()
-        shard[name] = tensor.detach().to("cpu", copy=True).contiguous()
+        shard[name] = tensor.detach().to("cpu", dtype=target, copy=True).contiguous()
         shard_bytes += nbytes
         total += nbytes
     if not writer:
@@ -343,17 +397,60 @@ def write_hf_folder_streaming(config, tokenizer, out_dir: str, named_tensors, wr
             json.dump({"metadata": {"total_size": total}, "weight_map": {k: final[v] for k, v in weight_map.items()}},
                       fh, indent=1)
     config.save_pretrained(tmp)
+    if written is not None:
+        _stamp_config_dtype(tmp, written)
     tokenizer.save_pretrained(tmp)
     _replace_folder(tmp, out_dir)
 
 
-def write_hf_folder(model, tokenizer, out_dir: str, state_dict=None) -> None:
+def write_hf_folder(model, tokenizer, out_dir: str, state_dict=None, dtype=None) -> None:
+    """`model` (or `state_dict`) through save_pretrained. `dtype` (fp32 / bf16 / fp16 or a torch dtype; None: as
+    they are): floating-point tensors are written in it (tied weights stay one tensor), and config.json's `dtype`
+    says so."""
     out_dir = os.path.abspath(out_dir)
     tmp = out_dir + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
+    cast_to = _export_torch_dtype(dtype)
+    if cast_to is not None:
+        cast, same = {}, {}
+        for name, value in (model.state_dict() if state_dict is None else state_dict).items():
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != cast_to:
+                # One cast per storage: tied weights must still share it (save_pretrained drops aliases by pointer).
+                key = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape),
+                       tuple(value.stride()))
+                if key not in same:
+                    same[key] = value.detach().to(cast_to)
+                value = same[key]
+            cast[name] = value
+        state_dict = cast
     model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
+    if cast_to is not None:
+        _stamp_config_dtype(tmp, cast_to)
     tokenizer.save_pretrained(tmp)
     _replace_folder(tmp, out_dir)
+
+
+def _export_torch_dtype(dtype):
+    """fp32 / bf16 / fp16 (export.dtype) or a torch dtype -> torch dtype; None stays None."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"export dtype {dtype!r} is not one of {', '.join(names)}")
+    return names[dtype]
+
+
+def _stamp_config_dtype(folder: str, dtype: torch.dtype) -> None:
+    """config.json's `dtype` = the dtype the weights were written in (the live config is left alone)."""
+    import json
+
+    path = os.path.join(folder, "config.json")
+    with open(path) as fh:
+        data = json.load(fh)
+    data.pop("torch_dtype", None)
+    data["dtype"] = str(dtype).split(".")[-1]
+    with open(path, "w") as fh:
+        fh.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def _replace_folder(tmp: str, out_dir: str) -> None:

@@ -353,23 +353,34 @@ class DeepSpeedStrategy(Strategy):
         return out
 
     def export_hf(self, out_dir: str, tokenizer) -> None:
-        from trainer.strategies.base import write_hf_folder, write_hf_folder_streaming
+        """The fp32 master weights (not DeepSpeed's bf16/fp16 copies of them) cast to export.dtype, gathered one
+        parameter at a time on every stage; rank 0 writes shards as they fill: no rank holds the whole model.
+        The same weights as `python -m trainer.export` of a checkpoint taken at this step."""
+        from trainer.strategies.base import write_hf_folder_streaming
 
-        rank0 = dist.get_rank() == 0
-        if self.cfg.strategy.zero_stage == 3:
-            # Gather one parameter at a time; rank 0 writes shards as they fill: no rank holds the whole model.
-            write_hf_folder_streaming(self.unwrapped().config, tokenizer, out_dir, self._gathered_tensors(), rank0)
-        elif rank0:
-            write_hf_folder(self.unwrapped(), tokenizer, out_dir)
+        write_hf_folder_streaming(self.unwrapped().config, tokenizer, out_dir, self._master_tensors(),
+                                  dist.get_rank() == 0, dtype=self.cfg.export.dtype)
         dist.barrier()
 
-    def _gathered_tensors(self):
+    def _master_tensors(self):
+        """(name, full fp32 master) per parameter, then the persistent buffers. Collective: every rank iterates.
+        ZeRO-1/2: each rank's fragment of the fp32 partition, all-reduced into one full tensor; ZeRO-3: the fp32
+        partitions all-gathered (deepspeed.utils.safe_get_full_fp32_param). A parameter the ZeRO optimizer does
+        not hold (frozen) has no master: its module copy is taken (gathered under ZeRO-3)."""
         import deepspeed
+        from deepspeed.utils import safe_get_full_fp32_param
 
         model = self.unwrapped()
         # Tied weights are one Parameter: named_parameters lists it once, as HF's save_pretrained does.
         for name, param in model.named_parameters():
-            with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+            master = safe_get_full_fp32_param(param)  # None on every rank alike (the same parameters everywhere)
+            if master is not None:
+                yield name, master
+                del master
+            elif hasattr(param, "ds_id"):
+                with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                    yield name, param.data
+            else:
                 yield name, param.data
         param_names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
         for name, tensor in model.state_dict().items():  # persistent buffers (never partitioned)

@@ -1,0 +1,114 @@
+"""Pipeline parallelism as functions: cut a Hugging Face causal LM into stages, the stage module a schedule runs,
+and torch's pipeline schedules by name.
+
+A stage is the Hugging Face model itself with the other stages' blocks removed (the ModuleList keeps its
+original indices, so parameter names are the full model's and checkpoints move between layouts), without the
+embeddings (later stages take hidden states as `inputs_embeds`) or the final norm and head (earlier stages
+return hidden states). Per-layer settings that the model's forward looks up by the position of a block in its
+list (attention types: sliding window, alternating global/local) are cut to the stage's own blocks, so each
+block keeps its global layer's setting.
+"""
+from __future__ import annotations
+
+import copy
+from typing import List
+
+import torch
+from torch import nn
+
+SCHEDULES = {
+    # name: (torch class name, stages per rank: 1, "v" (2, V-shaped) or None (strategy.pp_stages_per_rank))
+    "gpipe": ("ScheduleGPipe", 1),
+    "1f1b": ("Schedule1F1B", 1),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", None),
+    "looped_bfs": ("ScheduleLoopedBFS", None),
+    "interleaved_zb": ("ScheduleInterleavedZeroBubble", None),
+    "zbv": ("ScheduleZBVZeroBubble", "v"),
+    "dualpipev": ("ScheduleDualPipeV", "v"),
+}
+
+
+def stages_per_rank(s) -> int:
+    kind = SCHEDULES.get(s.pp_schedule, (None, 1))[1]
+    if kind == "v":
+        return 2
+    return s.pp_stages_per_rank if kind is None else 1
+
+
+def stage_indices(pp_rank: int, pp: int, per_rank: int, v_shape: bool) -> List[int]:
+    """Stages a pipeline rank holds: looped (r, r + p, ...) or V-shaped (r and 2p - 1 - r)."""
+    if v_shape:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(per_rank)]
+
+
+class ZeroPositions(nn.Module):
+    """An additive position embedding on a later stage: the first stage added it already."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, *args, **kwargs):
+        # Shaped by the first (batch, sequence) tensor it is given: GPT-2 passes position ids, OPT its attention
+        # mask (then positions as a keyword).
+        ref = next(t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor))
+        return torch.zeros(*ref.shape[:2], self.dim, device=ref.device)
+
+
+class StageModule(nn.Module):
+    """One pipeline stage: input ids (first stage) or hidden states in, hidden states or logits out."""
+
+    def __init__(self, lm: nn.Module, first: bool, last: bool):
+        super().__init__()
+        self.lm = lm
+        self.first, self.last = first, last
+
+    def forward(self, x):
+        inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
+        if self.last:
+            return self.lm(**inputs, use_cache=False).logits
+        # Earlier stages: the base model's hidden states (the causal LM would hand out a view of them, which
+        # the zero-bubble schedules' backward can't detach in place).
+        return getattr(self.lm, self.lm.base_model_prefix)(**inputs, use_cache=False).last_hidden_state
+
+
+def set_module(root: nn.Module, path: str, module) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, name, module)
+
+
+def cut_stage(part: nn.Module, split, first: bool, last: bool, layers: range) -> None:
+    """Keep only this stage's blocks (original indices kept) and its end modules."""
+    blocks = part.get_submodule(split.layers)
+    kept = sorted(int(k) for k in blocks._modules if int(k) in layers)
+    blocks._modules = {k: m for k, m in blocks._modules.items() if int(k) in layers}
+    _per_layer_settings_of(part, split, kept)
+    if not first:
+        for path in split.first:
+            if path in split.zeroed_on_later_stages:
+                set_module(part, path, ZeroPositions(part.get_submodule(path).embedding_dim))
+            else:
+                set_module(part, path, None)
+    if not last:
+        for path in split.last:
+            set_module(part, path, nn.Identity())
+
+
+def _per_layer_settings_of(part: nn.Module, split, kept: List[int]) -> None:
+    """The module that owns the blocks reads per-layer lists of its config by the block's position in the list
+    (`config.layer_types[i]` for the i-th block it runs): give it a config whose per-layer lists hold only the
+    kept layers, in order. The blocks themselves read their settings by their global index at construction."""
+    owner_path = split.layers.rpartition(".")[0]
+    owner = part.get_submodule(owner_path) if owner_path else part
+    config = getattr(owner, "config", None)
+    if config is None:
+        return
+    n = getattr(config, "num_hidden_layers", None)
+    lists = {k: v for k, v in vars(config).items() if isinstance(v, (list, tuple)) and n and len(v) == n}
+    if not lists:
+        return
+    stage_config = copy.copy(config)  # the causal LM's own config (export, logits) stays the full model's
+    for key, values in lists.items():
+        setattr(stage_config, key, type(values)(values[i] for i in kept))
+    owner.config = stage_config

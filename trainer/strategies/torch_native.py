@@ -1,0 +1,455 @@
+"""Torch-native layouts, one strategy over the validated degrees (pp, dp_replicate, dp_shard, tp): `fsdp` and
+`hsdp` (FSDP2), `tp`, `pp`, and the hybrids `fsdp_tp` (2-D), `pp_fsdp` (2-D) and `3d` (pp x fsdp x tp).
+
+Each parallelism is one function, applied in order as torchtitan does: the model (parameters on the meta device)
+is cut into pipeline stages (strategies/pipeline.py), each stage's modules are split by the model's
+tensor-parallel plan (strategies/tensor_parallel.py `apply_tp`), and each stage is sharded over the
+data-parallel ranks with FSDP2 (strategies/fsdp.py `apply_fsdp`) when FSDP is on; then shards are allocated and
+filled, one block of seeded weights or one pretrained tensor's slice at a time. Activation checkpointing and
+compile go on the decoder blocks before (trainer/build.py), as for every strategy.
+
+Precision is decided once, here: where FSDP is applied its mixed-precision policy casts the gathered parameters
+(and autocast stays off); elsewhere (tp, pp without data parallelism) autocast computes in the precision's
+dtype. fp16 scales every layout's loss, the pipeline's included; the found-inf flag is agreed by all ranks.
+
+The loss of each pipeline micro-batch is its token cross-entropy *sum* divided by the global batch's
+target-token count and the schedule does not rescale gradients (`scale_grads=False`): accumulation over
+micro-batches is then exactly the token-normalized global loss, never a mean of means (pytorch/torchtitan#1733).
+"""
+from __future__ import annotations
+
+import copy
+from typing import List
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.data.datasets import IGNORE
+from trainer.strategies import fsdp as F2
+from trainer.strategies.base import Strategy, to_device
+from trainer.strategies.pipeline import (SCHEDULES, StageModule, cut_stage, set_module, stage_indices,
+                                         stages_per_rank)
+from trainer.strategies.tensor_parallel import apply_tp, grads_in_param_layout
+
+# Strategies that shard with FSDP even over one data-parallel rank.
+_ALWAYS_FSDP = ("fsdp", "hsdp")
+
+
+class TorchNativeStrategy(Strategy):
+    name = "fsdp"
+    names = ("fsdp", "hsdp", "tp", "pp", "fsdp_tp", "pp_fsdp", "3d")
+    degrees = frozenset({"dp_replicate", "dp_shard", "tp", "pp"})
+
+    degrees = frozenset({"dp_replicate", "dp_shard", "tp", "pp"})
+    uses_fsdp_options = True
+    uses_dtensor_parameters = True
+    # Pretrained weights come to load_initial_weights, each rank reading only its part.
+    loads_pretrained_weights = True
+
+    @classmethod
+    def config_problems(cls, cfg, world_size: int) -> List[str]:
+        problems = super().config_problems(cfg, world_size) + F2.fsdp_config_problems(cfg)
+        s = cfg.strategy
+        if s.pp_schedule not in SCHEDULES:
+            problems.append(f"strategy.pp_schedule={s.pp_schedule!r} is not one of {', '.join(SCHEDULES)}")
+        elif s.pp_stages_per_rank < 1:
+            problems.append("strategy.pp_stages_per_rank must be >= 1")
+        if cfg.train.compile and s.pp not in (1,):
+            problems.append(f"train.compile=true is not supported with pipeline parallelism (strategy.pp={s.pp}); "
+                            f"set train.compile=false")
+        if s.cpu_offload and (s.tp != 1 or s.pp != 1):
+            problems.append(f"strategy.cpu_offload=true is available without tensor and pipeline parallelism only "
+                            f"(got strategy.tp={s.tp}, strategy.pp={s.pp}); set strategy.cpu_offload=false")
+        return problems
+
+    @classmethod
+    def degrees_of(cls, name: str):
+        return frozenset({"dp_replicate", "dp_shard"}) if name in _ALWAYS_FSDP else cls.degrees
+
+    @classmethod
+    def fsdp_applies(cls, name: str, dims) -> bool:
+        return name in _ALWAYS_FSDP or dims.dp_size > 1
+
+    @classmethod
+    def model_problems(cls, cfg, info, dims) -> List[str]:
+        """Checks that need the model's shape and the degrees (called before any process group starts)."""
+        from models import plans
+        from models.init import meta_model
+        from trainer import config as C
+
+        s = cfg.strategy
+        problems = []
+        if not cls.fsdp_applies(s.name, dims):
+            for key in ("param_dtype", "reduce_dtype"):
+                if getattr(s, key) is not None:
+                    problems.append(f"strategy.{key}={getattr(s, key)} sets FSDP's mixed precision, but this layout "
+                                    f"has no data-parallel ranks to shard over (strategy={s.name}, data-parallel "
+                                    f"degree {dims.dp_size}); leave it unset (precision= sets the compute dtype)")
+        model = meta_model(info.hf_config)
+        if dims.tp > 1:
+            problems += plans.tp_plan_problems(model, info, dims.tp)
+            if s.sequence_parallel and cfg.data.seq_len % dims.tp:
+                problems.append(f"strategy.sequence_parallel=true splits data.seq_len={cfg.data.seq_len} over "
+                                f"strategy.tp={dims.tp}: it must divide")
+            if s.sequence_parallel and plans.is_moe(model):
+                problems.append(f"strategy.sequence_parallel=true with a mixture-of-experts model "
+                                f"({info.hf_config.model_type}) is not supported: its experts stay whole on every "
+                                f"tensor-parallel rank; set strategy.sequence_parallel=false")
+        if dims.pp > 1 and s.pp_schedule in SCHEDULES:
+            if plans.pipeline_split(model) is None:
+                problems.append(f"strategy.pp={dims.pp}: Tessera finds no pipeline split for the "
+                                f"{info.hf_config.model_type} architecture (its decoder blocks and the modules "
+                                f"before and after them); set strategy.pp=1")
+            n_stages = dims.pp * stages_per_rank(s)
+            problems += plans.split_problems(info.num_layers, n_stages, s.pp_split_points)
+            micro = C.grad_accumulation_steps(cfg, dims.dp_size) if dims.dp_size else 0
+            kind = SCHEDULES[s.pp_schedule][1]
+            need = dims.pp if kind == 1 and s.pp_schedule != "gpipe" else (n_stages if kind == "v" else 0)
+            if micro and need and micro < need:
+                problems.append(f"strategy.pp_schedule={s.pp_schedule} needs at least {need} micro-batches per step "
+                                f"but train.global_batch_size / (train.micro_batch_size x data-parallel degree) "
+                                f"gives {micro}; raise train.global_batch_size or lower train.micro_batch_size")
+            if micro and kind is None:
+                rounds = max(1, micro // dims.pp)
+                if micro % rounds:
+                    problems.append(f"strategy.pp_schedule={s.pp_schedule} needs the micro-batches per step "
+                                    f"({micro}) to be a multiple of {rounds}; change train.global_batch_size")
+        return problems
+
+    def __init__(self, cfg, dims, device, precision):
+        super().__init__(cfg, dims, device, precision)
+        self.fsdp_enabled = self.fsdp_applies(cfg.strategy.name, dims)
+        self.param_dtype, self.reduce_dtype = F2.fsdp_dtypes(cfg) if self.fsdp_enabled else (None, None)
+        # One decision for every layout: FSDP casts what it gathers (no autocast on top); without FSDP, autocast.
+        self.precision = precision.with_cast_by_wrapper(self.fsdp_enabled)
+        if precision.scaler is not None:
+            # DTensor gradients; the found-inf flag is all-reduced over every rank, so all stages and shards skip
+            # a step together.
+            p = cfg.precision
+            self.precision.scaler = F2.ScalarFoundInfScaler(
+                device.type, init_scale=p.init_scale, growth_factor=p.growth_factor,
+                backoff_factor=p.backoff_factor, growth_interval=p.growth_interval, process_group=None)
+
+    def model_construction(self, pretrained: bool):
+        from accelerate import init_empty_weights
+
+        return init_empty_weights(include_buffers=False)
+
+    # ---- building ------------------------------------------------------------------------------------------
+    def setup(self, model, build_optimizer, initial_weights=None):
+        from models import plans
+        from models.init import decoder_blocks
+
+        d, s = self.dims, self.cfg.strategy
+        # Built under empty weights, a model whose config ties the embeddings and the head holds two parameters:
+        # tie them (as from_config / from_pretrained do), so every layout trains one weight.
+        model.tie_weights()
+        mesh = self.dims.build_mesh(self.device.type)
+        self.world_mesh = mesh
+        self.tp_mesh = mesh["tp"] if d.tp_enabled else None
+        self.pp_group = mesh["pp"].get_group() if d.pp_enabled else None
+        self._dp_group = mesh["dp_replicate", "dp_shard"]._flatten().get_group() if d.dp_enabled else None
+        self.pp_rank = mesh["pp"].get_local_rank() if d.pp_enabled else 0
+        if d.dp_replicate_enabled or s.name == "hsdp":
+            self.dp_mesh = mesh["dp_replicate", "dp_shard"]
+        else:
+            self.dp_mesh = mesh["dp_shard"]
+
+        self.split = plans.pipeline_split(model) if d.pp_enabled else None
+        # Tied embeddings across stages (Megatron's way): the first stage holds the embedding, the last a copy of
+        # it as the head; both start from the same values and their gradients are summed after backward, so they
+        # stay equal; the norm counts the weight once.
+        self.tied = None
+        if d.pp_enabled and plans.ties_embeddings(model):
+            names = {id(m): n for n, m in model.named_modules()}
+            self.tied = (names[id(model.get_input_embeddings())] + ".weight",
+                         names[id(model.get_output_embeddings())] + ".weight")
+        v_shape = SCHEDULES[s.pp_schedule][1] == "v"
+        per_rank = stages_per_rank(s) if d.pp_enabled else 1
+        self.num_stages = d.pp * per_rank
+        self.my_stages = stage_indices(self.pp_rank, d.pp, per_rank, v_shape) if d.pp_enabled else [0]
+        layer_ranges = plans.stage_layers(len(decoder_blocks(model)), self.num_stages, s.pp_split_points)
+        self.parts = []  # (stage index, HF model holding that stage's modules)
+        for stage in self.my_stages:
+            part = model if len(self.my_stages) == 1 else copy.deepcopy(model)
+            if d.pp_enabled:
+                cut_stage(part, self.split, stage == 0, stage == self.num_stages - 1, layer_ranges[stage])
+            self.parts.append((stage, part))
+        # With pipeline stages, the stage module is the root that FSDP wraps (and the pipeline runs): its
+        # forward may skip the causal LM's own.
+        self.stage_modules = {stage: StageModule(part, stage == 0, stage == self.num_stages - 1)
+                              for stage, part in self.parts} if d.pp_enabled else {}
+        for stage, part in self.parts:
+            root = self.stage_modules.get(stage, part)
+            if d.tp_enabled:
+                apply_tp(part, plans.tp_plan(part, d.tp), self.tp_mesh, s.sequence_parallel)
+            if self.fsdp_enabled:
+                F2.apply_fsdp([b for _, b in decoder_blocks(part)], root, self.dp_mesh, self.param_dtype,
+                              self.reduce_dtype, s.reshard_after_forward, s.cpu_offload,
+                              pin_memory=self.device.type == "cuda")
+            F2.materialize(root, self.device, s.cpu_offload)  # new parameter objects: hooks go on after it
+            if d.tp_enabled and not self.fsdp_enabled:
+                grads_in_param_layout(part)
+        self.load_initial_weights(None, initial_weights)
+        self.state_model = self._state_view(model) if len(self.parts) > 1 else self.parts[0][1]
+        self.model = self.state_model
+        self.optimizer = build_optimizer(self.state_model.named_parameters())
+        if self.precision.scaler is not None:  # stages without the loss never call scale(), which sets it up
+            self.precision.scaler.scale(torch.zeros((), device=self.device))
+        if d.pp_enabled:
+            self._build_schedule()
+        if self.tied:
+            self._tie_group = self._tied_stages_group()
+        return self.model, self.optimizer
+
+    # ---- tied embeddings on the first and last pipeline stage ----------------------------------------------------
+    def _tied_copies(self) -> list:
+        """This rank's copies of the tied weight: the embedding (first stage) and the head (last stage)."""
+        embed, head = self.tied
+        out = []
+        for stage, part in self.parts:
+            if stage == 0:
+                out.append(part.get_parameter(embed))
+            if stage == self.num_stages - 1:
+                out.append(part.get_parameter(head))
+        return out
+
+    def _tied_stages_group(self):
+        """The two ranks of this rank's pipeline that hold the first and the last stage (None where one rank
+        holds both, or this rank neither); every rank creates every such group, in the same order."""
+        import itertools
+
+        v_shape = SCHEDULES[self.cfg.strategy.pp_schedule][1] == "v"
+        last_owner = 0 if v_shape else (self.num_stages - 1) % self.dims.pp
+        if last_owner == 0:
+            return None
+        ranks_of = self.world_mesh.mesh
+        mine = None
+        for idx in itertools.product(*(range(n) for n in ranks_of.shape[1:])):
+            ranks = [int(ranks_of[(0, *idx)]), int(ranks_of[(last_owner, *idx)])]
+            group = dist.new_group(ranks)
+            if dist.get_rank() in ranks:
+                mine = group
+        return mine
+
+    def _sum_tied_grads(self) -> None:
+        from torch.distributed.tensor import DTensor
+
+        copies = [p for p in self._tied_copies() if p.grad is not None]
+        if not copies:
+            return
+        local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in copies]
+        total = local[0].clone()
+        for t in local[1:]:
+            total += t
+        if self._tie_group is not None:
+            dist.all_reduce(total, group=self._tie_group)
+        for t in local:
+            t.copy_(total)
+
+    @torch.no_grad()
+    def load_initial_weights(self, model, initial_weights) -> None:
+        """Each rank writes its part of every tensor of its stages (`model` is unused: the stages are)."""
+        from models.init import named_tensors
+
+        targets = {}
+        for _, part in self.parts:
+            targets.update(named_tensors(part))
+        if initial_weights is not None and hasattr(initial_weights, "read"):
+            F2.missing_pretrained(initial_weights, [(n, t) for n, t in targets.items()
+                                                    if isinstance(t, nn.Parameter)])
+        if self.tied and initial_weights is not None and not hasattr(initial_weights, "read"):
+            embed, head = self.tied  # seeded units name the tied weight once, as the embedding
+            initial_weights = ({**values, head: values[embed]} if embed in values else values
+                               for values in initial_weights)
+        F2.load_full_tensors(targets, initial_weights)
+        if initial_weights is not None and hasattr(initial_weights, "close"):
+            initial_weights.close()
+
+    def _state_view(self, model) -> nn.Module:
+        """One module holding every stage module of this rank under its full-model name (checkpoints and the
+        optimizer see the parameters with their usual names); never run forward."""
+        view = copy.deepcopy(model)  # meta shell
+        blocks = view.get_submodule(self.split.layers)
+        blocks._modules = {}
+        for path in self.split.first + self.split.last:
+            set_module(view, path, None)
+        for stage, part in self.parts:
+            for key, block in part.get_submodule(self.split.layers)._modules.items():
+                blocks._modules[key] = block
+            ends = (self.split.first if stage == 0 else []) + (self.split.last if stage == self.num_stages - 1 else [])
+            for path in ends:
+                set_module(view, path, part.get_submodule(path))
+        return view
+
+    # ---- pipeline schedule -----------------------------------------------------------------------------------
+    def _build_schedule(self) -> None:
+        import torch.distributed.pipelining.schedules as schedules
+        from torch.distributed.pipelining import PipelineStage
+
+        from trainer import config as C
+
+        self.stages = [PipelineStage(self.stage_modules[stage], stage, self.num_stages, self.device,
+                                     group=self.pp_group) for stage, _ in self.parts]
+        cls = getattr(schedules, SCHEDULES[self.cfg.strategy.pp_schedule][0])
+        n_micro = C.grad_accumulation_steps(self.cfg, self.dims.dp_size)
+        stages = self.stages if len(self.stages) > 1 or SCHEDULES[self.cfg.strategy.pp_schedule][1] != 1 \
+            else self.stages[0]
+        self.schedule = cls(stages, n_microbatches=n_micro, loss_fn=self._pipeline_loss, scale_grads=False)
+        self._ce_sums = []
+
+    def _pipeline_loss(self, logits, labels):
+        ce_sum = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+        self._ce_sums.append(ce_sum.detach())
+        return self.precision.scale(ce_sum / self._n_target)
+
+    @property
+    def _last_stages_here(self) -> int:
+        return int(self.has_last_stage)
+
+    @property
+    def has_first_stage(self) -> bool:
+        return 0 in self.my_stages
+
+    @property
+    def has_last_stage(self) -> bool:
+        return self.num_stages - 1 in self.my_stages
+
+    def forward_backward(self, micro_batches, num_target_tokens: int) -> torch.Tensor:
+        if self.dims.pp == 1:
+            return super().forward_backward(micro_batches, num_target_tokens)
+        self._n_target = num_target_tokens
+        self._ce_sums = []
+        inputs = to_device(torch.cat([b["input_ids"] for b in micro_batches]), self.device)
+        labels = to_device(torch.cat([b["labels"] for b in micro_batches]), self.device)
+        args = (inputs,) if self.has_first_stage else ()
+        target = labels if self.has_last_stage else None
+        with self.precision.autocast():
+            self.schedule.step(*args, target=target, losses=[] if self.has_last_stage else None)
+        if self.tied:
+            self._sum_tied_grads()
+        # The schedule calls the loss once more, on placeholder values, when it infers shapes in its first step:
+        # the real micro-batches are the last ones.
+        real = self._ce_sums[-len(micro_batches) * self._last_stages_here:]
+        total = torch.stack(real).sum() if real else torch.zeros((), device=self.device)
+        return self._pp_sum(total)
+
+    def _pp_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Only the last stage has the loss: share it with the other stages of this pipeline."""
+        if self.pp_group is not None:
+            t = t.clone()
+            dist.all_reduce(t, group=self.pp_group)
+        return t
+
+    @torch.no_grad()
+    def eval_loss_sum(self, micro_batches) -> torch.Tensor:
+        if self.dims.pp == 1:
+            return super().eval_loss_sum(micro_batches)
+        # Forward only, stage by stage with point-to-point sends (batches may differ in size, which a
+        # schedule's fixed shapes would not take).
+        total = torch.zeros((), device=self.device)
+        owner = {}
+        v_shape = SCHEDULES[self.cfg.strategy.pp_schedule][1] == "v"
+        for r in range(self.dims.pp):
+            for stage in stage_indices(r, self.dims.pp, self.num_stages // self.dims.pp, v_shape):
+                owner[stage] = r
+        peers = dist.get_process_group_ranks(self.pp_group)
+        hidden_size = self.parts[0][1].config.get_text_config().hidden_size
+        for batch in micro_batches:
+            ids = batch["input_ids"].to(self.device)
+            x = None
+            for stage in range(self.num_stages):
+                if owner[stage] != self.pp_rank:
+                    continue
+                if stage > 0 and owner[stage - 1] != self.pp_rank:
+                    x = torch.empty(*ids.shape, hidden_size, device=self.device)
+                    dist.recv(x, src=peers[owner[stage - 1]], group=self.pp_group)
+                with self.precision.autocast():
+                    x = self.stage_modules[stage](ids if stage == 0 else x)
+                if stage == self.num_stages - 1:
+                    total += F.cross_entropy(x.float().flatten(0, 1), batch["labels"].to(self.device).flatten(),
+                                             ignore_index=IGNORE, reduction="sum")
+                elif owner[stage + 1] != self.pp_rank:
+                    dist.send(x.float().contiguous(), dst=peers[owner[stage + 1]], group=self.pp_group)
+        return self._pp_sum(total)
+
+    # ---- the rest of a step ----------------------------------------------------------------------------------
+    def dp_group(self):
+        return self._dp_group
+
+    def grad_norm_and_clip(self, max_norm: float) -> torch.Tensor:
+        """Global gradient norm over every stage, tensor shard and data shard (fp64 sums, one all-reduce)."""
+        from trainer.strategies.base import clip_to_norm, world_square_sum
+
+        params = [p for p in self.state_model.parameters() if p.grad is not None]
+        copies = {id(p) for p in self._tied_copies()[1:]} if self.tied and self.has_first_stage else set()
+        if self.tied and not self.has_first_stage:
+            copies = {id(p) for p in self._tied_copies()}  # the head's copy: the first stage counts the weight
+        norm = world_square_sum([p.grad for p in params if id(p) not in copies], self.device).sqrt()
+        return clip_to_norm(params, norm, max_norm)
+
+    # ---- model-state memory: where FSDP2 keeps its tensors (trainer/memory.py counts and logs) -------------
+    def count_model_states(self, tally) -> None:
+        states = F2._fsdp_states(self)
+        if not states:  # tensor / pipeline parallelism without FSDP: whole (or DTensor) parameters
+            return super().count_model_states(tally)
+        F2._count_fsdp_states(self, states, tally)
+
+    def watch_memory(self, snap) -> list:
+        undo = []
+        for root, modules in F2._fsdp_trees(self):
+            undo += F2._watch_fsdp(snap, root, modules)
+        return undo
+
+    def memory_layout(self) -> dict:
+        layout = F2._fsdp_layout(self)
+        return {} if layout is None else {"fsdp": layout}
+
+    # ---- export: one parameter at a time, from whichever stage holds it --------------------------------------
+    def export_hf(self, out_dir: str, tokenizer) -> None:
+        from trainer.strategies.base import write_hf_folder_streaming
+
+        write_hf_folder_streaming(self.parts[0][1].config, tokenizer, out_dir, self._gathered(), dist.get_rank() == 0,
+                                  dtype=self.cfg.export.dtype)
+        dist.barrier()
+
+    def _gathered(self):
+        from torch.distributed.tensor import DTensor
+
+        from models.init import meta_model
+
+        full = meta_model(self.parts[0][1].config)
+        mine = dict(self.state_model.named_parameters())
+        mine.update({k: v for k, v in self.state_model.state_dict().items() if k not in mine})
+        owners = [None] * dist.get_world_size()
+        dist.all_gather_object(owners, sorted(mine))  # which rank holds which names (small)
+        holders = {}
+        for rank, names in enumerate(owners):
+            for n in names:
+                holders.setdefault(n, []).append(rank)
+        names = [n for n, _ in full.named_parameters()] + [n for n in full.state_dict()
+                                                          if n not in dict(full.named_parameters())]
+        me = dist.get_rank()
+        for name in names:
+            ranks = holders.get(name)
+            if not ranks:
+                continue
+            t = None
+            if me in ranks:
+                t = mine[name]
+                t = t.full_tensor() if isinstance(t, DTensor) else t.detach()
+            src = ranks[0]
+            if src != 0:
+                if me == src:
+                    dist.send(t.contiguous(), dst=0)
+                elif me == 0:
+                    meta = full.get_parameter(name) if name in dict(full.named_parameters()) else None
+                    shape = meta.shape if meta is not None else full.state_dict()[name].shape
+                    t = torch.empty(shape, device=self.device)
+                    dist.recv(t, src=src)
+            if me == 0:
+                yield name, t
+            else:
+                yield name, torch.empty(0)
