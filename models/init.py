@@ -125,6 +125,25 @@ def initial_weights(hf_config, seed: int) -> Iterator[Dict[str, torch.Tensor]]:
 
 
 
+def shared_parameters(model: nn.Module) -> list:
+    """[[(module, name), ...]] for each parameter held by more than one module (tied embeddings): what a
+    parallelizing step that gives each module a new parameter object must tie again (`retie`)."""
+    holders = {}
+    for module in model.modules():
+        for key, p in module._parameters.items():
+            if p is not None:
+                holders.setdefault(id(p), []).append((module, key))
+    return [h for h in holders.values() if len(h) > 1]
+
+
+def retie(ties: list) -> None:
+    """Make every holder recorded by `shared_parameters` hold its first holder's parameter again."""
+    for holders in ties:
+        first_module, first_key = holders[0]
+        for module, key in holders[1:]:
+            module._parameters[key] = first_module._parameters[first_key]
+
+
 def named_tensors(model: nn.Module) -> Dict[str, torch.Tensor]:
     """Parameters (tied ones under their first name) and buffers, by qualified name."""
     targets = dict(model.named_buffers())

@@ -198,3 +198,107 @@ def test_real_hf_model_loads(shared_data):
     ids = tokenizer("Once upon a time", return_tensors="pt")["input_ids"]
     out = model.generate(ids, max_new_tokens=12, do_sample=False)
     assert "Lily" in tokenizer.decode(out[0, ids.shape[1]:])
+
+
+# ---- attention implementation: the model's own choice unless set; one config problem when it can't run ----
+def _check_problems(compose_fn, overrides) -> list:
+    from trainer import build as B
+    from trainer.errors import ConfigError
+
+    cfg = compose_fn(list(overrides) + ["strategy=single"])
+    try:
+        B.check(cfg, 1)
+    except ConfigError as e:
+        return e.problems
+    return []
+
+
+@pytest.fixture(scope="module")
+def gemma2_folder(tmp_path_factory):
+    from tests.archs import make_model_folder
+
+    return make_model_folder("gemma2", tmp_path_factory.mktemp("gemma2"))
+
+
+def test_attn_implementation_defaults_to_what_the_model_supports(compose, gemma2_folder):
+    cfg = compose(["model=hf", f"model.name_or_path={gemma2_folder}"])
+    assert cfg.model.attn_implementation is None
+    tokenizer = registry.load_tokenizer(cfg.model)
+    model = registry.build(cfg.model, registry.describe(cfg.model, tokenizer))
+    # Gemma-2 softcaps its attention logits, which SDPA can't: transformers' default for it is eager.
+    assert model.config._attn_implementation == "eager"
+    out = model(input_ids=torch.tensor([[1, 2, 3, 4]]), labels=torch.tensor([[1, 2, 3, 4]]))
+    assert torch.isfinite(out.loss)
+
+    preset = compose(["model=tiny", "model.num_layers=1"]).model
+    llama = registry.build(preset, registry.describe(preset, embedded_tokenizer()), seed=0)
+    assert llama.config._attn_implementation == "sdpa"  # where the model supports it, SDPA
+
+
+def test_explicit_attn_implementation_is_kept(compose, gemma2_folder):
+    m = compose(["model=tiny", "model.num_layers=1", "model.attn_implementation=eager"]).model
+    model = registry.build(m, registry.describe(m, embedded_tokenizer()), seed=0)
+    assert model.config._attn_implementation == "eager"
+    assert _check_problems(compose, ["model=hf", f"model.name_or_path={gemma2_folder}",
+                                     "model.attn_implementation=eager"]) == []
+
+
+@pytest.mark.parametrize("overrides,words", [
+    (["model=hf", "model.attn_implementation=sdpa"], ["model.attn_implementation=sdpa", "Gemma2ForCausalLM"]),
+    (["model.attn_implementation=flash_attention_2", "train.device=cpu"],
+     ["model.attn_implementation=flash_attention_2", "CUDA"]),
+    (["model.attn_implementation=no_such_kernel"], ["model.attn_implementation=no_such_kernel", "not supported"]),
+], ids=["sdpa-on-gemma2", "flash-on-cpu", "unknown"])
+def test_attn_implementation_the_model_or_machine_cant_run_is_one_config_problem(compose, gemma2_folder,
+                                                                                 overrides, words):
+    if "model=hf" in overrides:
+        overrides = overrides + [f"model.name_or_path={gemma2_folder}"]
+    problems = _check_problems(compose, overrides)
+    assert len(problems) == 1, problems
+    assert all(w in problems[0] for w in words), problems[0]
+
+
+# ---- only causal decoders: encoders and encoder-decoders are refused before any process group starts --------
+def _save_config_folder(config, path):
+    config.save_pretrained(path)
+    embedded_tokenizer().save_pretrained(path)
+    return path
+
+
+def test_bert_encoder_is_refused(compose, tmp_path):
+    from transformers import AutoModelForMaskedLM, BertConfig
+
+    config = BertConfig(vocab_size=320, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64)
+    AutoModelForMaskedLM.from_config(config).save_pretrained(tmp_path)  # a real (tiny) BERT checkpoint
+    embedded_tokenizer().save_pretrained(tmp_path)
+    m = ModelConfig(kind="hf", name_or_path=str(tmp_path), tokenizer=None)
+    with pytest.raises(ModelError) as e:
+        registry.describe(m, registry.load_tokenizer(m))
+    assert str(e.value).startswith(f"model.name_or_path: {tmp_path} holds a bert model, which is not a causal decoder")
+    problems = _check_problems(compose, ["model=hf", f"model.name_or_path={tmp_path}"])
+    assert len(problems) == 1 and "not a causal decoder" in problems[0], problems
+
+
+@pytest.mark.parametrize("arch", ["t5", "bart"])
+def test_encoder_decoder_is_refused(compose, tmp_path, arch):
+    from transformers import BartConfig, T5Config
+
+    config = (T5Config(vocab_size=320, d_model=32, d_kv=16, d_ff=64, num_layers=1, num_heads=2) if arch == "t5" else
+              BartConfig(vocab_size=320, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                         decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64))
+    _save_config_folder(config, tmp_path)
+    problems = _check_problems(compose, ["model=hf", f"model.name_or_path={tmp_path}"])
+    assert len(problems) == 1, problems
+    assert problems[0].startswith(f"model.name_or_path: {tmp_path} holds a {arch} model, which is not a causal "
+                                  f"decoder (but an encoder-decoder)"), problems[0]
+
+
+def test_bert_configured_as_a_decoder_is_accepted(tmp_path):
+    from transformers import BertConfig
+
+    config = BertConfig(vocab_size=320, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64, is_decoder=True)
+    _save_config_folder(config, tmp_path)
+    m = ModelConfig(kind="hf", name_or_path=str(tmp_path), tokenizer=None)
+    assert registry.describe(m, registry.load_tokenizer(m)).num_layers == 1

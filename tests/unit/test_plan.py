@@ -95,3 +95,23 @@ def test_cli(capsys):
     assert "checks: FAIL" in capsys.readouterr().out
     assert P.main(["strategy.bogus_key=1"]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_layout_refusals_of_a_model_are_reported_before_launch(tmp_path, capsys):
+    """A model the layout can't split (OPT: no tensor-parallel plan; a transformers plan style Tessera does not
+    apply) fails the planner's checks with the message training would give, before any process group."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    folder = tmp_path / "opt"
+    tok = embedded_tokenizer()
+    OPTForCausalLM(OPTConfig(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128,
+                             word_embed_proj_dim=64, max_position_embeddings=128, pad_token_id=tok.pad_token_id,
+                             bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    overrides = ["model=hf", f"model.name_or_path={folder}", "data.embedded_documents=50", "data.seq_len=32",
+                 "train.micro_batch_size=1", "train.global_batch_size=8"]
+    assert P.main(overrides + ["strategy=tp", "plan.world_size=2"]) == 1
+    out = capsys.readouterr().out
+    assert "checks: FAIL" in out and "opt architecture has no tensor-parallel plan" in out
+    assert P.main(overrides + ["strategy=pp", "plan.world_size=2"]) == 0  # its pipeline split is derived
+    capsys.readouterr()

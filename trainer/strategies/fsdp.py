@@ -83,7 +83,9 @@ def materialize(model, device: torch.device, cpu_offload: bool) -> None:
     with CPU offload the parameters stay on the host and the buffers go to the device. Parameters that modules
     share (tied embeddings) stay shared: `to_empty` gives each module a new parameter object where the
     parameter is a DTensor, so the ties are recorded first and made again."""
-    ties = _shared_parameters(model)
+    from models.init import retie, shared_parameters
+
+    ties = shared_parameters(model)
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     model.to_empty(device="cpu" if cpu_offload else device)
     with torch.no_grad():
@@ -95,23 +97,6 @@ def materialize(model, device: torch.device, cpu_offload: bool) -> None:
                 if b is not None:
                     module._buffers[key] = b.to(device)
     retie(ties)
-
-
-def _shared_parameters(model) -> list:
-    """[[(module, name), ...]] for each parameter held by more than one module."""
-    holders = {}
-    for module in model.modules():
-        for key, p in module._parameters.items():
-            if p is not None:
-                holders.setdefault(id(p), []).append((module, key))
-    return [h for h in holders.values() if len(h) > 1]
-
-
-def retie(ties: list) -> None:
-    for holders in ties:
-        first_module, first_key = holders[0]
-        for module, key in holders[1:]:
-            module._parameters[key] = first_module._parameters[first_key]
 
 
 @torch.no_grad()

@@ -125,9 +125,9 @@ def apply_tp(part: nn.Module, plan: dict, tp_mesh, sequence_parallel: bool) -> N
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
                                                    SequenceParallel, parallelize_module)
 
-    from models.init import decoder_blocks
+    from models.init import decoder_blocks, retie, shared_parameters
 
-    ties = _shared(part)
+    ties = shared_parameters(part)
     styles = _styles(sequence_parallel, tp_mesh)
     unknown = sorted({st for st in plan.values() if st not in styles})
     if unknown:
@@ -161,25 +161,7 @@ def apply_tp(part: nn.Module, plan: dict, tp_mesh, sequence_parallel: bool) -> N
         resolved[last] = PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate())
     parallelize_module(part, tp_mesh, resolved)
     _replicate_the_rest(part, tp_mesh)
-    _retie(part, ties)
-
-
-def _shared(module: nn.Module) -> list:
-    """[[(module, name), ...]] for each parameter that more than one module holds (tied embeddings)."""
-    holders = {}
-    for m in module.modules():
-        for key, p in m._parameters.items():
-            if p is not None:
-                holders.setdefault(id(p), []).append((m, key))
-    return [h for h in holders.values() if len(h) > 1]
-
-
-def _retie(part, ties) -> None:
-    """distribute_module gives each module its own DTensor parameter: share the first one again."""
-    for holders in ties:
-        first_module, first_key = holders[0]
-        for m, key in holders[1:]:
-            m._parameters[key] = first_module._parameters[first_key]
+    retie(ties)  # distribute_module gives each module its own DTensor parameter
 
 
 def _sequence_gather_hook(tp_mesh):

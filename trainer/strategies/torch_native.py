@@ -390,6 +390,39 @@ class TorchNativeStrategy(Strategy):
         norm = world_square_sum([p.grad for p in params if id(p) not in copies], self.device).sqrt()
         return clip_to_norm(params, norm, max_norm)
 
+    # ---- checkpoints: the tied head's copy reads the embedding's entries where a checkpoint has no others -----
+    def load_checkpoint_from(self, folder: str, group, weights_only: bool, param_groups) -> None:
+        """A checkpoint saved by a layout that holds a tied weight once has no optimizer state for the last stage's
+        head copy (DCP saves it under the embedding's name): the copy loads the embedding's. Pipeline checkpoints
+        hold both copies and load as they are."""
+        if not self.tied:
+            return super().load_checkpoint_from(folder, group, weights_only, param_groups)
+        import torch.distributed.checkpoint as dcp
+
+        from trainer.checkpoint import SafeFileSystemReader, SafeLoadPlanner
+
+        embed, head = self.tied
+        saved = SafeFileSystemReader(folder).read_metadata().state_dict_metadata
+        state = self.checkpoint_state(model_only=weights_only)
+        aside = {}  # section -> the head copy's entry, filled from the embedding's after loading
+        for section, entries in state.items():
+            if head not in entries or any(k == f"{section}.{head}" or k.startswith(f"{section}.{head}.")
+                                          for k in saved):
+                continue  # (DCP keeps both names of a tied weight in the model section, one in the optimizer's)
+            aside[section] = entries.pop(head)
+            if embed not in entries:  # this rank holds only the head copy: load it under the embedding's name
+                entries[embed] = aside[section]
+        dcp.load(state, checkpoint_id=folder, storage_reader=SafeFileSystemReader(folder), planner=SafeLoadPlanner(),
+                 process_group=group, no_dist=group is None)
+        for section, value in aside.items():
+            loaded = state[section][embed]
+            if loaded is not value:  # both copies here: copy the embedding's into the head's
+                _copy_tree(value, loaded)
+                state[section][head] = value
+            else:
+                state[section][head] = state[section].pop(embed)
+        self.load_checkpoint_state(state, None if weights_only else param_groups)
+
     # ---- model-state memory: where FSDP2 keeps its tensors (trainer/memory.py counts and logs) -------------
     def count_model_states(self, tally) -> None:
         states = F2._fsdp_states(self)
@@ -453,3 +486,13 @@ class TorchNativeStrategy(Strategy):
                 yield name, t
             else:
                 yield name, torch.empty(0)
+
+
+@torch.no_grad()
+def _copy_tree(dst, src) -> None:
+    """Copy a tensor or a dict of tensors (optimizer state) into one of the same structure."""
+    if isinstance(dst, dict):
+        for k in dst:
+            _copy_tree(dst[k], src[k])
+    elif isinstance(dst, torch.Tensor):
+        dst.copy_(src)

@@ -1,0 +1,216 @@
+"""Tiny random models of many transformers architectures, generated in code (no downloads).
+
+`ARCHITECTURES` maps a name to a function returning a small config of that architecture (hidden 64, 4 decoder
+layers so that pp=2 puts 2 on each stage, 4 heads, 2 key/value heads where the architecture has grouped-query
+attention, intermediate 128, vocabulary 320, dropout off). `make_model_folder(name, path)` writes a seeded
+random model of it with the embedded tokenizer, so that `model=hf model.name_or_path=<path>` trains it with
+its own tokenizer.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections import OrderedDict
+from functools import lru_cache
+from pathlib import Path
+
+HIDDEN = 64
+LAYERS = 4
+HEADS = 4
+KV_HEADS = 2
+HEAD_DIM = HIDDEN // HEADS
+INTERMEDIATE = 128
+VOCAB = 320  # >= the embedded tokenizer's 258 tokens; divides by 2 and 4 (tensor-parallel vocabulary splits)
+POSITIONS = 256
+SLIDING_WINDOW = 16  # below the tests' data.seq_len=32, so the window really masks something
+
+
+@lru_cache(maxsize=1)
+def token_ids() -> dict:
+    """bos/eos/pad ids of the embedded tokenizer (the model folders carry it)."""
+    from models.tokenizer import embedded_tokenizer
+
+    tok = embedded_tokenizer()
+    return dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+
+
+def _common(**kw):
+    return dict(**token_ids(), vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                num_attention_heads=HEADS, intermediate_size=INTERMEDIATE, max_position_embeddings=POSITIONS, **kw)
+
+
+def llama():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**_common(num_key_value_heads=KV_HEADS, attention_dropout=0.0))
+
+
+def llama_tied():
+    """Llama with the input embedding and the LM head tied (one weight; under pp a copy on the last stage)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**_common(num_key_value_heads=KV_HEADS, attention_dropout=0.0, tie_word_embeddings=True))
+
+
+def qwen2():
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**_common(num_key_value_heads=KV_HEADS, attention_dropout=0.0))
+
+
+def qwen3():
+    from transformers import Qwen3Config
+
+    # Layers 2 and 3 attend within a sliding window (Qwen3's layer_types), 0 and 1 to the full context.
+    return Qwen3Config(**_common(num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, attention_dropout=0.0,
+                                 use_sliding_window=True, sliding_window=SLIDING_WINDOW, max_window_layers=2,
+                                 layer_types=["full_attention", "full_attention", "sliding_attention",
+                                              "sliding_attention"]))
+
+
+def mistral():
+    from transformers import MistralConfig
+
+    return MistralConfig(**_common(num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, sliding_window=SLIDING_WINDOW,
+                                   attention_dropout=0.0))
+
+
+def gemma2():
+    from transformers import Gemma2Config
+
+    # Softcapping of attention logits and final logits, alternating sliding/full layers.
+    return Gemma2Config(**_common(num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, query_pre_attn_scalar=HEAD_DIM,
+                                  sliding_window=SLIDING_WINDOW, attention_dropout=0.0))
+
+
+def gemma3():
+    from transformers import Gemma3TextConfig
+
+    # Text-only causal LM (Gemma3ForCausalLM); sliding layers every other layer (the full model: 5 of 6).
+    return Gemma3TextConfig(**_common(num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, query_pre_attn_scalar=HEAD_DIM,
+                                      sliding_window=SLIDING_WINDOW, attention_dropout=0.0,
+                                      layer_types=["sliding_attention", "full_attention"] * (LAYERS // 2)))
+
+
+def phi3():
+    from transformers import Phi3Config
+
+    # Fused qkv_proj and gate_up_proj.
+    return Phi3Config(**_common(num_key_value_heads=KV_HEADS, attention_dropout=0.0, resid_pdrop=0.0,
+                                embd_pdrop=0.0))
+
+
+def gpt2():
+    from transformers import GPT2Config
+
+    # Conv1D projections, learned positions, tied embeddings; no grouped-query attention.
+    return GPT2Config(**token_ids(), vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
+                      n_inner=INTERMEDIATE, n_positions=POSITIONS, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+def gpt_neox():
+    from transformers import GPTNeoXConfig
+
+    # Fused query_key_value, partial rotary, parallel residual; no grouped-query attention.
+    return GPTNeoXConfig(**_common(rotary_pct=0.25, attention_dropout=0.0, hidden_dropout=0.0))
+
+
+def opt():
+    from transformers import OPTConfig
+
+    # Learned positions with an offset of 2, biases, tied embeddings; no grouped-query attention.
+    return OPTConfig(**token_ids(), vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                     num_attention_heads=HEADS, ffn_dim=INTERMEDIATE, word_embed_proj_dim=HIDDEN,
+                     max_position_embeddings=POSITIONS, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                     layerdrop=0.0)
+
+
+def olmo2():
+    from transformers import Olmo2Config
+
+    # Norms after attention/MLP and q/k norms over all heads.
+    return Olmo2Config(**_common(num_key_value_heads=KV_HEADS, attention_dropout=0.0))
+
+
+def mixtral():
+    from transformers import MixtralConfig
+
+    return MixtralConfig(**_common(num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, num_local_experts=4,
+                                   num_experts_per_tok=2, attention_dropout=0.0, router_jitter_noise=0.0))
+
+
+def qwen3_moe():
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(**_common(num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, num_experts=4,
+                                    num_experts_per_tok=2, moe_intermediate_size=INTERMEDIATE // 2,
+                                    decoder_sparse_step=1, attention_dropout=0.0))
+
+
+ARCHITECTURES = OrderedDict((f.__name__, f) for f in (
+    llama, llama_tied, qwen2, qwen3, mistral, gemma2, gemma3, phi3, gpt2, gpt_neox, opt, olmo2, mixtral, qwen3_moe))
+
+
+def make_config(name: str):
+    """The tiny config of architecture `name` (bos/eos/pad ids: the embedded tokenizer's)."""
+    from models.tokenizer import embedded_tokenizer
+
+    config = ARCHITECTURES[name]()
+    assert len(embedded_tokenizer()) <= config.vocab_size, name
+    for key, value in token_ids().items():
+        assert getattr(config, key) == value, (name, key)
+    return config
+
+
+def make_model_folder(name: str, path, seed: int = 0) -> Path:
+    """Write a random tiny model of architecture `name` (weights from `seed`) and the embedded tokenizer into
+    `path` (save_pretrained); returns the path. A folder already holding it (`arch.json` matches) is kept."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from models.tokenizer import embedded_tokenizer
+
+    path = Path(path)
+    stamp = {"arch": name, "seed": seed}
+    marker = path / "arch.json"
+    if marker.is_file() and json.loads(marker.read_text()) == stamp:
+        return path
+    config = make_config(name)
+    state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    finally:
+        torch.random.set_rng_state(state)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    embedded_tokenizer().save_pretrained(path)
+    marker.write_text(json.dumps(stamp))
+    return path
+
+
+# ---- the matrix the integration test runs (tests/integration/test_architectures.py) and the README shows ---------
+LAYOUTS = ["single", "ddp", "zero2", "zero3", "fsdp", "tp", "pp"]
+# Architectures a layout refuses before training, with the words of the message that says why.
+REFUSED = {
+    ("gpt2", "tp"): "gpt2 architecture has no tensor-parallel plan",
+    ("opt", "tp"): "opt architecture has no tensor-parallel plan",
+}
+# Why, in the README's words.
+REFUSED_WHY = {
+    ("gpt2", "tp"): "refused: fused Conv1D q/k/v, no TP plan",
+    ("opt", "tp"): "refused: attention reshapes by the full head count, no TP plan",
+}
+# Layouts that run llama in fp16 (loss scaling): the reference and the pipeline, whose loss the schedule scales.
+FP16_LAYOUTS = ("single", "pp")
+
+
+def support_table() -> str:
+    """The README's table of architectures x layouts: every cell the matrix trains to fp32 parity with one
+    process (and exports), or the refusal it asserts."""
+    head = "| architecture (tiny config in tests/archs.py) | " + " | ".join(LAYOUTS) + " |"
+    lines = [head, "|---|" + "---|" * len(LAYOUTS)]
+    for name in ARCHITECTURES:
+        cells = [REFUSED_WHY.get((name, lay), "yes") for lay in LAYOUTS]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
