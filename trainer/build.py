@@ -173,7 +173,6 @@ def build(p: Prepared) -> Run:
         model = registry.build(cfg.model, p.model_info, load_weights=not strategy.loads_pretrained_weights)
     num_params = registry.count_parameters(model)
     built_param_bytes = parameter_bytes(model)  # ZeRO-3 / FSDP: this rank's part only (memory.json)
-    _prepare_blocks(model, cfg.train)
     seed_everything(cfg.train.seed, rank)
     if not pretrained:
         initial = initial_weights(p.model_info.hf_config, cfg.train.seed)
@@ -204,19 +203,6 @@ def build(p: Prepared) -> Run:
         logger.start_step = run.step
     run.stop = StopRequest()
     return run
-
-
-def _prepare_blocks(model, t: C.TrainConfig) -> None:
-    """Activation checkpointing (Hugging Face's, every k-th decoder block) and torch.compile per block, before
-    the strategy wraps the blocks."""
-    from models.init import decoder_blocks
-
-    if t.activation_checkpointing == "full":
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
-                                              every_n_layers=t.activation_checkpointing_every)
-    if t.compile:
-        for _, block in decoder_blocks(model):
-            block.compile()
 
 
 def _check_run_dir_agreement(run_dir: str) -> None:

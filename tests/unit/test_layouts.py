@@ -176,3 +176,29 @@ def test_tied_embeddings_are_detected_and_kept_whole_under_tp():
     plan = plans.tp_plan(llama, 2)
     assert plans.ties_embeddings(llama) and "model.embed_tokens" not in plan and "lm_head" not in plan
     assert not plans.ties_embeddings(_meta("llama"))
+
+
+def test_strategies_checkpoint_every_kth_block_in_their_setup():
+    """Activation checkpointing is applied by the strategy's setup (after tensor parallelism, before any wrapper):
+    every 2nd decoder block of the model the strategy trains has Hugging Face's checkpointing switched on."""
+    import torch
+
+    from models import registry
+    from models.init import decoder_blocks
+    from models.tokenizer import embedded_tokenizer
+    from trainer.optim import build_optimizer
+    from trainer.parallel import ParallelDims
+    from trainer.precision import Precision
+    from trainer.strategies.single import SingleStrategy
+
+    cfg = compose_config(["model.hidden_size=64", "model.num_layers=4", "model.num_heads=4",
+                          "train.activation_checkpointing=full", "train.activation_checkpointing_every=2"])
+    info = registry.describe(cfg.model, embedded_tokenizer())
+    model = registry.build(cfg.model, info, seed=0)
+    assert not any(getattr(b, "gradient_checkpointing", False) for _, b in decoder_blocks(model))
+    dims = ParallelDims.from_config(cfg.strategy if cfg.strategy.name == "single" else compose_config(
+        ["strategy=single"]).strategy, 1)
+    strategy = SingleStrategy(cfg, dims, torch.device("cpu"), Precision(cfg, torch.device("cpu")))
+    strategy.setup(model, lambda named: build_optimizer(cfg, named))
+    flags = [bool(getattr(b, "gradient_checkpointing", False)) for _, b in decoder_blocks(strategy.unwrapped())]
+    assert flags == [True, False, True, False], flags

@@ -114,6 +114,12 @@ class Strategy:
         create its optimizer with `build_optimizer(named_parameters)`."""
         raise NotImplementedError
 
+    def prepare_blocks(self, model) -> None:
+        """Activation checkpointing, then compile, on the decoder blocks: each strategy's setup calls it once the
+        blocks are what they will compute with (after tensor parallelism, before FSDP or another wrapper)."""
+        apply_activation_checkpointing(model, self.cfg.train)
+        apply_compile(model, self.cfg.train)
+
     def load_initial_weights(self, model, initial_weights) -> None:
         """Write full tensors into a model that each rank holds whole; sharding strategies override this to
         write only their shards."""
@@ -268,6 +274,22 @@ class Strategy:
             write_hf_folder(self.unwrapped(), tokenizer, out_dir, dtype=self.cfg.export.dtype)
         if dist.is_initialized():
             dist.barrier()
+
+
+def apply_activation_checkpointing(model, train_cfg) -> None:
+    """Hugging Face's non-reentrant activation checkpointing of every k-th decoder block."""
+    if train_cfg.activation_checkpointing == "full":
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
+                                              every_n_layers=train_cfg.activation_checkpointing_every)
+
+
+def apply_compile(model, train_cfg) -> None:
+    """torch.compile per decoder block (inductor)."""
+    from models.init import decoder_blocks
+
+    if train_cfg.compile:
+        for _, block in decoder_blocks(model):
+            block.compile()
 
 
 def grad_square_sum(grads) -> torch.Tensor:

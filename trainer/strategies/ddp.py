@@ -22,6 +22,7 @@ class DDPStrategy(Strategy):
     degrees = frozenset({"dp_replicate"})
 
     def setup(self, model, build_optimizer, initial_weights=None):
+        self.prepare_blocks(model)
         self.load_initial_weights(model, initial_weights)
         model = model.to(self.device)
         s = self.cfg.strategy

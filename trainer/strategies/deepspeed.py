@@ -231,6 +231,7 @@ class DeepSpeedStrategy(Strategy):
         import deepspeed
 
         self.ds_config, _ = build_ds_config(self.cfg, self.dp_size)
+        self.prepare_blocks(model)
         self.load_initial_weights(model, initial_weights)
         model = model.to(self.device)
         optimizer = build_optimizer(model.named_parameters())

@@ -18,6 +18,7 @@ class SingleStrategy(Strategy):
         return problems
 
     def setup(self, model, build_optimizer, initial_weights=None):
+        self.prepare_blocks(model)
         self.load_initial_weights(model, initial_weights)
         self.model = model.to(self.device)
         self.optimizer = build_optimizer(self.model.named_parameters())

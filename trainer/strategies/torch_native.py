@@ -6,7 +6,7 @@ is cut into pipeline stages (strategies/pipeline.py), each stage's modules are s
 tensor-parallel plan (strategies/tensor_parallel.py `apply_tp`), and each stage is sharded over the
 data-parallel ranks with FSDP2 (strategies/fsdp.py `apply_fsdp`) when FSDP is on; then shards are allocated and
 filled, one block of seeded weights or one pretrained tensor's slice at a time. Activation checkpointing and
-compile go on the decoder blocks before (trainer/build.py), as for every strategy.
+compile (`Strategy.prepare_blocks`) go on each stage's decoder blocks after tensor parallelism, before FSDP.
 
 Precision is decided once, here: where FSDP is applied its mixed-precision policy casts the gathered parameters
 (and autocast stays off); elsewhere (tp, pp without data parallelism) autocast computes in the precision's
@@ -40,8 +40,6 @@ _ALWAYS_FSDP = ("fsdp", "hsdp")
 class TorchNativeStrategy(Strategy):
     name = "fsdp"
     names = ("fsdp", "hsdp", "tp", "pp", "fsdp_tp", "pp_fsdp", "3d")
-    degrees = frozenset({"dp_replicate", "dp_shard", "tp", "pp"})
-
     degrees = frozenset({"dp_replicate", "dp_shard", "tp", "pp"})
     uses_fsdp_options = True
     uses_dtensor_parameters = True
@@ -185,6 +183,7 @@ class TorchNativeStrategy(Strategy):
             root = self.stage_modules.get(stage, part)
             if d.tp_enabled:
                 apply_tp(part, plans.tp_plan(part, d.tp), self.tp_mesh, s.sequence_parallel)
+            self.prepare_blocks(part)  # activation checkpointing, compile
             if self.fsdp_enabled:
                 F2.apply_fsdp([b for _, b in decoder_blocks(part)], root, self.dp_mesh, self.param_dtype,
                               self.reduce_dtype, s.reshard_after_forward, s.cpu_offload,
