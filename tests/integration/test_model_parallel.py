@@ -130,6 +130,38 @@ def test_hybrid_layouts_match_single_process(reference, tmp_path, case):
     _check_parity(name, metrics(tmp_path), metrics(reference))
 
 
+@pytest.fixture(scope="module")
+def reference_bf16(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("single-bf16")
+    ok(launch("python", TEN + ["strategy=single", "train.micro_batch_size=2", "precision=bf16"], run_dir))
+    return run_dir
+
+
+BF16_HYBRIDS = [
+    # (id, overrides, dp): pp x tp without data parallelism computes under autocast (DTensors in a pipeline);
+    # pp x FSDP casts through FSDP's mixed-precision policy.
+    pytest.param(("3d-ws4 (pp 2 x tp 2, autocast)", ["strategy=3d", "strategy.dp_shard=1"], 1), id="pp_tp-ws4"),
+    pytest.param(("pp_fsdp-ws4 (pp 2 x dp_shard 2, FSDP cast)", ["strategy=pp_fsdp", "strategy.pp=2"], 2),
+                 id="pp_fsdp-ws4"),
+]
+
+
+@pytest.mark.parametrize("case", BF16_HYBRIDS)
+def test_bf16_hybrids_compute_in_bf16(reference, reference_bf16, tmp_path, case):
+    """precision=bf16 on a hybrid: the curve is single-process bf16's within a bf16 tolerance, and leaves the
+    fp32 curve by more than fp32 rounding (before, pp and tp without FSDP silently computed in fp32)."""
+    name, overrides, dp = case
+    strategy = overrides[0].split("=")[1]
+    _launch_checked(tmp_path, TEN + overrides + ["train.micro_batch_size=2", "precision=bf16"], 4, strategy, dp,
+                    timeout=600)
+    recs = metrics(tmp_path)
+    loss_err, norm_err = _max_errors(recs, metrics(reference_bf16))
+    from_fp32 = max(_max_errors(recs, metrics(reference)))
+    print(f"{name} bf16 vs single bf16: loss {loss_err:.1e}, grad norm {norm_err:.1e}; vs fp32 {from_fp32:.1e}")
+    assert loss_err < 2e-2 and norm_err < 2e-2, (loss_err, norm_err)
+    assert from_fp32 > 1e-5, from_fp32
+
+
 # ---- evaluation ----------------------------------------------------------------------------------------------
 def test_pp_eval_matches_single_process(reference, pp_run):
     """Evaluation runs forward through the stages (hidden states sent between ranks both ways of the V): the
