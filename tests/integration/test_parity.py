@@ -1,4 +1,6 @@
-"""Data parallelism reproduces single-process training: same loss and gradient-norm curves (fp32)."""
+"""Data parallelism reproduces single-process training: same loss and gradient-norm curves (fp32). World size 2
+with accumulation, bf16 against fp32 and every other layout are in the architecture matrix
+(tests/integration/test_architectures.py); here ws4 and fp16's skipped steps."""
 from __future__ import annotations
 
 import pytest
@@ -17,7 +19,7 @@ def reference(tmp_path_factory):
     return metrics(run_dir)
 
 
-@pytest.mark.parametrize("nproc,micro", [(2, 2), (4, 1)], ids=["ws2-accum2", "ws4-accum2"])
+@pytest.mark.parametrize("nproc,micro", [(4, 1)], ids=["ws4-accum2"])
 def test_ddp_matches_single_process(reference, tmp_path, nproc, micro):
     proc = launch("torchrun", SMALL + TEN_STEPS + ["strategy=ddp", f"train.micro_batch_size={micro}"], tmp_path,
                   nproc=nproc)
@@ -29,13 +31,6 @@ def test_ddp_matches_single_process(reference, tmp_path, nproc, micro):
     print(f"ddp world {nproc}: max relative loss error {loss_err:.2e}, grad-norm error {norm_err:.2e}")
     assert loss_err < 1e-5 and norm_err < 1e-5, (loss_err, norm_err)
     assert reference[-1]["loss"] < reference[0]["loss"] - 0.5  # it really trained
-
-
-def test_bf16_stays_close_to_fp32(reference, tmp_path):
-    ok(launch("python", SMALL + TEN_STEPS + ["strategy=single", "train.micro_batch_size=2", "precision=bf16"],
-              tmp_path))
-    recs = metrics(tmp_path)
-    assert max(rel_err(r["loss"], s["loss"]) for r, s in zip(recs, reference)) < 2e-2
 
 
 def test_fp16_overflow_steps_are_skipped_and_counted(tmp_path):

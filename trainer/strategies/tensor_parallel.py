@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 
-def _styles(sequence_parallel: bool, tp_mesh) -> dict:
+def _styles(sequence_parallel: bool) -> dict:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -128,7 +128,7 @@ def apply_tp(part: nn.Module, plan: dict, tp_mesh, sequence_parallel: bool) -> N
     from models.init import decoder_blocks, retie, shared_parameters
 
     ties = shared_parameters(part)
-    styles = _styles(sequence_parallel, tp_mesh)
+    styles = _styles(sequence_parallel)
     unknown = sorted({st for st in plan.values() if st not in styles})
     if unknown:
         from trainer.errors import ModelError
