@@ -9,7 +9,7 @@ from trainer import config as C
 from trainer.build import check
 from trainer.errors import ConfigError
 from trainer.strategies import base
-from trainer.strategies.torch_native import TorchNativeStrategy as FSDPStrategy
+from trainer.strategies.torch_native import TorchNativeStrategy
 
 
 def _problems(cfg, world_size):
@@ -41,7 +41,7 @@ def _only_one(problems, *needles):
 ])
 def test_valid_fsdp_configs_pass(compose, overrides, world):
     dims, cls, _, _ = check(compose(overrides), world)
-    assert cls is FSDPStrategy
+    assert cls is TorchNativeStrategy
     assert dims.world_size == world
 
 
@@ -78,7 +78,7 @@ def test_each_fsdp_problem_names_its_keys(compose, overrides, needles):
     _only_one(problems, *needles)
     assert len(problems) == 1, problems
     # the class alone says the same
-    assert any(all(n in p for n in needles) for p in FSDPStrategy.config_problems(compose(overrides), world))
+    assert any(all(n in p for n in needles) for p in TorchNativeStrategy.config_problems(compose(overrides), world))
 
 
 def test_fsdp_problems_reported_together(compose):

@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import List, Optional
 
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from trainer.memory import count_optimizer_state, unique_params
@@ -127,18 +126,6 @@ def missing_pretrained(initial_weights, named_parameters) -> None:
 
         raise ModelError(f"model.name_or_path: the checkpoint in {initial_weights.folder} lacks "
                          f"{len(missing)} of the model's parameters ({', '.join(missing[:4])} ...)")
-
-
-def full_tensors(model):
-    """(name, full tensor) of every parameter and persistent buffer, one DTensor gathered at a time."""
-    from torch.distributed.tensor import DTensor
-
-    param_names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    for name, p in model.named_parameters():
-        yield name, p.full_tensor() if isinstance(p, DTensor) else p
-    for name, tensor in model.state_dict().items():  # persistent buffers
-        if name not in param_names:
-            yield name, tensor
 
 
 def _write(target: torch.Tensor, read) -> None:

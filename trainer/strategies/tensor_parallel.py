@@ -36,15 +36,22 @@ def _styles(sequence_parallel: bool) -> dict:
     }
 
 
-SUPPORTED_STYLES = ("colwise", "rowwise", "colwise_gather_output", "colwise_rep", "embedding_rowwise",
-                    "rowwise_split_input", "replicated_with_grad_allreduce", "moe_tp_experts")
+def _replicate_parameters(module, mesh) -> None:
+    """The module's own plain parameters as replicated DTensors (one kind of parameter for the optimizer)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    for key, p in list(module._parameters.items()):
+        if p is not None and not isinstance(p, DTensor):
+            module.register_parameter(key, nn.Parameter(DTensor.from_local(p.data, mesh, [Replicate()],
+                                                                           run_check=False),
+                                                        requires_grad=p.requires_grad))
 
 
 def _ReplicatedGradAllReduce():
     """Parameters replicated; the input is this rank's share (its heads) of a larger tensor, so it enters as a
     DTensor sharded over a dimension the module does not reduce (the batch): DTensor then sums the weight's
     gradient over the ranks in backward (a partial sum all-reduced), also under FSDP."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.parallel import ParallelStyle
 
     class ReplicatedGradAllReduce(ParallelStyle):
@@ -58,14 +65,8 @@ def _ReplicatedGradAllReduce():
             def outputs(mod, out, mesh):
                 return out.to_local() if isinstance(out, DTensor) else out
 
-            def params(name, mod, mesh):
-                for key, p in list(mod._parameters.items()):
-                    if p is not None and not isinstance(p, DTensor):
-                        mod.register_parameter(key, nn.Parameter(DTensor.from_local(p.data, mesh, [Replicate()],
-                                                                                    run_check=False),
-                                                                 requires_grad=p.requires_grad))
-
-            return distribute_module(module, device_mesh, params, input_fn=inputs, output_fn=outputs)
+            return distribute_module(module, device_mesh, lambda name, mod, mesh: _replicate_parameters(mod, mesh),
+                                     input_fn=inputs, output_fn=outputs)
 
     return ReplicatedGradAllReduce()
 
@@ -76,16 +77,12 @@ def _WholeOnEveryRank():
     grouped matmuls): parameters are replicated DTensors (one kind of parameter for the optimizer) but its
     forward runs on their local tensors, since DTensor has no rule (or a narrower one) for its data-dependent
     ops. The gradient comes back Replicate; every rank computed the same, so no reduction is needed."""
-    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import ParallelStyle
 
     class WholeOnEveryRank(ParallelStyle):
         def _apply(self, module, device_mesh):
-            for key, p in list(module._parameters.items()):
-                if p is not None and not isinstance(p, DTensor):
-                    module.register_parameter(key, nn.Parameter(
-                        DTensor.from_local(p.data, device_mesh, [Replicate()], run_check=False),
-                        requires_grad=p.requires_grad))
+            _replicate_parameters(module, device_mesh)
 
             def local_params(mod, args, kwargs):
                 saved = {k: p for k, p in mod._parameters.items() if isinstance(p, DTensor)}
