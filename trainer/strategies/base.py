@@ -299,7 +299,7 @@ def grad_square_sum(grads) -> torch.Tensor:
     entry of the whole gradient then counts once, whatever the mesh."""
     from torch.distributed.tensor import DTensor
 
-    total = torch.zeros((), dtype=torch.float64)
+    total = None
     groups = {}
     for g in grads:
         replicas = 1
@@ -310,10 +310,10 @@ def grad_square_sum(grads) -> torch.Tensor:
             g = g.to_local()
         if g.numel():
             groups.setdefault(replicas, []).append(g)
-    for replicas, local in groups.items():
-        sq = torch.stack(torch._foreach_norm(local, 2.0, dtype=torch.float64)).pow(2).sum()
-        total = total + sq.cpu() / replicas
-    return total
+    for replicas, local in groups.items():  # stays on the gradients' device: no host sync in the step
+        sq = torch.stack(torch._foreach_norm(local, 2.0, dtype=torch.float64)).pow(2).sum() / replicas
+        total = sq if total is None else total + sq.to(total.device)
+    return total if total is not None else torch.zeros((), dtype=torch.float64)
 
 
 def world_square_sum(grads, device: torch.device) -> torch.Tensor:
