@@ -93,3 +93,17 @@ def _point_datasets_cache_at(path: Path) -> None:
     module = sys.modules.get("datasets.config")
     if module is not None:
         module.HF_DATASETS_CACHE = path
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The catalogue of bad input and faults (tests/integration/catalogue.py), when any case ran."""
+    from tests.integration import catalogue
+
+    if not catalogue.ROWS:
+        return
+    text = catalogue.table()
+    terminalreporter.write_sep("-", f"catalogue of bad input and faults ({len(catalogue.ROWS)} cases)")
+    terminalreporter.write_line(text)
+    out = os.environ.get("TESSERA_CATALOGUE_OUT")
+    if out:
+        Path(out).write_text(text + "\n")

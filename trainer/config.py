@@ -151,6 +151,12 @@ class TrainConfig:
     activation_checkpointing: str = "none"
     activation_checkpointing_every: int = 1  # checkpoint every k-th block (1 = all of them)
     compile: bool = False  # torch.compile each decoder block
+    # Divergence guard: a non-finite loss or gradient norm (or, with loss_spike_factor > 0, a logged loss above
+    # that factor times the mean of the last 20 logged losses) either stops the run (exit code 3; the last
+    # finite checkpoint is kept out of keep_last rotation) or skips the step (no update; counted in
+    # skipped_steps). stop | skip
+    on_nonfinite: str = "stop"
+    loss_spike_factor: float = 0.0  # 0 disables the spike check
 
 
 @dataclass
@@ -169,6 +175,9 @@ class CheckpointConfig:
     async_save: bool = False  # write in the background; the step is blocked only while tensors are copied
     at_end: bool = True  # save when training ends (also when stopped by SIGTERM/SIGINT)
     load_weights_only: bool = False  # resume=<path>: take the model weights only and start a new run at step 0
+    # A new run (resume=none) in a run directory that holds another run's checkpoints is refused; true moves that
+    # run's files aside (to <run dir>/previous-<time>/) first.
+    overwrite: bool = False
 
 
 @dataclass
@@ -222,6 +231,7 @@ CHOICES = {
     "precision.name": ("fp32", "bf16", "fp16"),
     "train.activation_checkpointing": ("none", "full"),
     "export.dtype": ("fp32", "bf16", "fp16"),
+    "train.on_nonfinite": ("stop", "skip"),
 }
 
 

@@ -1,10 +1,24 @@
-"""User-facing errors: each one becomes a single clear message and a non-zero exit, never a traceback."""
+"""User-facing errors: each one becomes a single clear message and a documented exit code, never a traceback.
+
+Exit codes (README "Errors"):
+    0    finished, or stopped by SIGTERM/SIGINT after saving a checkpoint
+    2    bad input: config, data, model, checkpoint, launch or environment (nothing was trained or lost)
+    3    training diverged: a non-finite loss or gradient norm (or a loss spike); the last finite checkpoint is kept
+    4    a fault while running: a peer rank died, a collective timed out, a disk filled up or became read-only
+    130  interrupted a second time (Ctrl-C twice): stopped at once, without saving
+"""
+
+EXIT_OK = 0
+EXIT_BAD_INPUT = 2
+EXIT_DIVERGED = 3
+EXIT_FAULT = 4
+EXIT_INTERRUPTED = 130
 
 
 class TesseraError(Exception):
     """Bad input from the user (config, data, model, checkpoint, launch). Printed without a traceback."""
 
-    exit_code = 2
+    exit_code = EXIT_BAD_INPUT
 
 
 class ConfigError(TesseraError):
@@ -22,3 +36,16 @@ class DataError(TesseraError):
 
 class ModelError(TesseraError):
     """A model that cannot be found, loaded or built."""
+
+
+class DivergenceError(TesseraError):
+    """Training produced a non-finite loss or gradient norm (or a loss spike over the configured factor)."""
+
+    exit_code = EXIT_DIVERGED
+
+
+class FaultError(TesseraError):
+    """A fault while running that is not the input's fault: a peer rank died, a collective timed out, the disk
+    filled up. The message names what to check or the key to change."""
+
+    exit_code = EXIT_FAULT
