@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Tessera launcher: sets up the project's virtual environment when needed, then starts training with the
 # launcher the chosen strategy needs (python for one process, torchrun, or deepspeed).
+# SIGTERM or Ctrl-C (to this script's pid: it becomes the launcher) stops every rank after the same step with a
+# checkpoint, and the launch exits 0; the ranks never outlive the launcher, even when it is SIGKILLed.
 #
 #   ./launch.sh                               # train the embedded default (tiny model, embedded data, ddp)
 #   ./launch.sh test [pytest args]            # run the test suite (what .ci/run calls)
@@ -33,6 +35,10 @@ ensure_env() {
     "$PY" -m pip install -q "${TESSERA_TORCH:-torch==2.13.0}"
   fi
   "$PY" -m pip install -q -e "$ROOT[dev]"
+  # DeepSpeed's C++ ops that a ZeRO run on this machine loads (on a CPU machine its shared-memory comm op:
+  # minutes of compilation), built now with progress rather than silently at the first ZeRO run.
+  (cd "$ROOT" && "$PY" -m trainer.ds_ops build) ||
+    echo "launch.sh: warning: DeepSpeed's ops did not build now; a ZeRO run builds them at first use" >&2
   echo "$want" >"$STAMP"
 }
 
@@ -83,7 +89,9 @@ case "$launcher" in
     elif [ "$NNODES" != 1 ]; then
       args+=(--num_nodes "$NNODES" --node_rank "$NODE_RANK" --no_ssh)
     fi
-    exec deepspeed "${args[@]}" trainer/main.py "$@"
+    # DeepSpeed's runner through Tessera's wrapper: SIGTERM/Ctrl-C reach the ranks (which save and stop), a stale
+    # build lock is an error instead of a silent hang, a first-use op build says so.
+    exec "$PY" -m trainer.deepspeed_launch "${args[@]}" trainer/main.py "$@"
     ;;
   *)
     echo "launch.sh: unknown launcher '$launcher'" >&2

@@ -302,7 +302,8 @@ def timed_save(run, step: int, poll: bool = False) -> dict:
         raise RuntimeError(f"checkpointer.save({step}) did not produce {path}")
     return {"step": step, "path": path, "bytes": rec["bytes"], "call_s": t1 - t0, "wall_s": t2 - t0,
             "finalize_in_poll_s": finalize_s, "manager_blocking_s": rec.get("blocking_s"),
-            "manager_total_s": rec.get("total_s"), "files": len(files_under(path))}
+            "manager_total_s": rec.get("total_s"), "checksum_s": rec.get("checksum_s"),
+            "files": len(files_under(path))}
 
 
 def timed_load(run, path: str, cold: bool) -> dict:
@@ -437,6 +438,7 @@ def measure(a, quiet: Quiet) -> dict:
                  "runs": disk},
         "save_s": sync_block, "save_mb_s": nbytes / sync_block / MB,
         "save_manager_total_s": med(r["manager_total_s"] for r in rows["sync"]),
+        "checksum_s": med(r["checksum_s"] for r in rows["sync"]),
         "load_s": med(r["s"] for r in rows["load_cold"]),
         "load_mb_s": nbytes / med(r["s"] for r in rows["load_cold"]) / MB,
         "load_cached_s": med(r["s"] for r in rows["load_cached"]),
@@ -524,6 +526,10 @@ def main(argv=None) -> int:
         [m["checkpoint_bytes"] / x["s"] / MB for x in r["runs"]["load_cold"]])
     row("checkpoint load, page cache", r["load_cached_mb_s"], "MB/s",
         [m["checkpoint_bytes"] / x["s"] / MB for x in r["runs"]["load_cached"]])
+    row("SHA-256 of the saved files", m["checkpoint_bytes"] / r["checksum_s"] / MB, "MB/s",
+        [m["checkpoint_bytes"] / x["checksum_s"] / MB for x in r["runs"]["sync"]])
+    print(f"{'checksums / sync save time':34s}{r['checksum_s'] / r['save_s']:9.3f}        "
+          f"(part of the save: rank 0 hashes every file before sealing the checkpoint)")
     print(f"{'save / disk write':34s}{r['save_mb_s'] / d['write_mb_s']:9.2f}        "
           f"load cold / disk read cold {r['load_mb_s'] / d['read_cold_mb_s']:.2f}")
     ms = lambda x: f"{x * 1e3:9.1f} ms   "

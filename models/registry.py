@@ -96,8 +96,13 @@ def _hf_config(m, tokenizer):
 
 
 def _load_message(what: str, name: str, e: Exception) -> str:
-    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    from trainer.safe_load import refused_file, refusal
+
+    first = refusal(e)  # a pickle global the weights-only loader refused, by name; never its advice to turn it off
     if os.path.exists(name):
+        refused = refused_file(name) if "GLOBAL" in str(e) else None
+        if refused:
+            return f"cannot load the {what} from the local folder {name!r}: {refused}"
         return f"cannot load the {what} from the local folder {name!r}: {first}"
     if name.startswith(("/", ".", "~")) or name.count("/") > 1:
         return f"{name!r}: no such folder"
@@ -204,12 +209,16 @@ def attention_problems(cfg, info: ModelInfo) -> list:
     impl = cfg.model.attn_implementation
     if not impl:
         return []
-    if "flash" in impl:
-        device = cfg.train.device
-        if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
-            return [f"model.attn_implementation={impl} needs a CUDA device but training runs on the CPU "
-                    f"(train.device={device}); leave model.attn_implementation null (the model's default) or use "
-                    f"sdpa or eager"]
+    device = cfg.train.device
+    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    if "flash" in impl and on_cpu:
+        return [f"model.attn_implementation={impl} needs a CUDA device but training runs on the CPU "
+                f"(train.device={device}); leave model.attn_implementation null (the model's default) or use "
+                f"sdpa or eager"]
+    if impl == "flex_attention" and on_cpu:  # torch's FlexAttention has no backward on the CPU
+        return [f"model.attn_implementation={impl} can't train on the CPU (torch's FlexAttention has no backward "
+                f"there; train.device={device}); leave model.attn_implementation null (the model's default) or "
+                f"use sdpa or eager"]
     from models.init import meta_model
 
     try:
@@ -251,7 +260,7 @@ def build(m, info: ModelInfo, seed: int | None = None, device: torch.device | st
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 m.name_or_path, config=info.hf_config, revision=m.revision, trust_remote_code=m.trust_remote_code,
-                dtype=dtype, **kwargs)
+                dtype=dtype, weights_only=True, **kwargs)  # a .bin file's pickle: tensors only, never code
         except Exception as e:  # noqa: BLE001
             raise ModelError("model.name_or_path: " + _load_message("model weights", m.name_or_path, e)) from None
     else:

@@ -2,10 +2,11 @@
 
 Sharding strategies build the model empty and ask each parameter's rows from here, so that each rank reads
 only the part it owns (safetensors files are memory-mapped; a slice reads only its bytes). `pytorch_model.bin`
-checkpoints are memory-mapped through torch.load. Names are the model's parameter names, mapped to checkpoint
-keys by transformers' own loading rules (models/checkpoint_keys.py): renamed keys, per-expert tensors fused
-into the model's 3-D expert parameters, tied weights, and checkpoints saved from the base model (without the
-causal LM's prefix, e.g. GPT-2's `h.0...` for `transformer.h.0...`).
+checkpoints are memory-mapped through torch.load(weights_only=True): tensors and plain containers only, a file
+that refers to anything else is refused by name (no code from it runs). Names are the model's parameter names,
+mapped to checkpoint keys by transformers' own loading rules (models/checkpoint_keys.py): renamed keys,
+per-expert tensors fused into the model's 3-D expert parameters, tied weights, and checkpoints saved from the
+base model (without the causal LM's prefix, e.g. GPT-2's `h.0...` for `transformer.h.0...`).
 """
 from __future__ import annotations
 
@@ -100,9 +101,10 @@ class PretrainedWeights:
                 else:
                     self._open[path] = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
             except Exception as e:  # noqa: BLE001 - a missing, truncated or foreign file: one clear message
-                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                from trainer.safe_load import refusal  # a pickle global the weights-only loader refused, by name
+
                 raise ModelError(f"model.name_or_path={self.name_or_path!r}: cannot read the checkpoint file "
-                                 f"{path}: {first}") from None
+                                 f"{path}: {refusal(e)}") from None
         return self._open[path]
 
     def _keys_of(self, path: str):

@@ -22,7 +22,7 @@ from models import registry
 from models.init import initial_weights
 from trainer import checkpoint as ckpt
 from trainer import config as C
-from trainer import parallel
+from trainer import parallel, rundir
 from trainer.data.datasets import DataSplits, build_data
 from trainer.data.sampler import GlobalBatchSampler
 from trainer.errors import ConfigError, ModelError, TesseraError
@@ -50,6 +50,7 @@ class Prepared:
     model_info: registry.ModelInfo
     data: Optional[DataSplits] = None
     resume_path: Optional[str] = None
+    resume_fallbacks: list = field(default_factory=list)
     model_shapes: Optional[dict] = None
 
 
@@ -89,6 +90,12 @@ def prepare(cfg: C.TesseraConfig, run_dir: str) -> Prepared:
     transformers.utils.logging.disable_progress_bar()  # our own progress output only
     world_size = parallel.env_world_size()
     dims, cls, tokenizer, info = check(cfg, world_size)
+    from trainer.cli import writable_problems  # read-only run / cache folders: one message naming the key
+
+    unwritable = writable_problems(cfg, run_dir)
+    if unwritable:
+        raise ConfigError(unwritable)
+    rundir.claim(cfg, run_dir)  # one live job, one run per folder (trainer/rundir.py)
     prepared = Prepared(cfg, run_dir, world_size, dims, cls, tokenizer, info)
     prepared.data = build_data(cfg, tokenizer, info.vocab_size, log=log0)
     GlobalBatchSampler(len(prepared.data.train), cfg.train.global_batch_size, cfg.train.seed)  # size check
@@ -98,27 +105,50 @@ def prepare(cfg: C.TesseraConfig, run_dir: str) -> Prepared:
 
 
 def _check_resume(cfg, run_dir: str, p: Prepared) -> Optional[str]:
-    """The checkpoint to resume from, checked against this run before any process group starts."""
+    """The checkpoint to resume from, checked against this run before any process group starts. With
+    resume=auto, older complete checkpoints of the run are kept as fallbacks (`p.resume_fallbacks`) in case the
+    chosen one fails its checksums (checked by all ranks together once the process group exists)."""
+    from trainer import resume_policy
+
     root = os.path.join(run_dir, "checkpoints")
-    if cfg.checkpoint.resume == "auto":
+    auto = cfg.checkpoint.resume == "auto"
+    if auto:
         for partial in ckpt.partial_checkpoints(root):
             log0(f"ignoring incomplete checkpoint {partial} (its save did not finish)")
-    path = ckpt.resolve(cfg.checkpoint.resume, run_dir)
-    if path is None:
-        if cfg.checkpoint.resume == "auto":
+        candidates = [path for _, path in reversed(ckpt.complete_checkpoints(root))]
+    else:
+        path = ckpt.resolve(cfg.checkpoint.resume, run_dir)
+        candidates = [path] if path else []
+    if not candidates:
+        if auto:
             log0("checkpoint.resume=auto: no complete checkpoint in the run directory; starting at step 0")
         return None
-    meta = ckpt.read_meta(path)
-    ckpt.verify_files(path, meta)
-    problems = ckpt.compatibility_problems(meta, cfg, p.model_shapes, p.data.fingerprint,
-                                           cfg.checkpoint.load_weights_only, p.strategy_cls.checkpoint_format,
-                                           p.dims.dp_size)
-    if problems:
-        raise ckpt.CheckpointError(f"cannot resume from {path}:\n" + "\n".join(f"  - {x}" for x in problems))
-    if meta["step"] >= cfg.train.max_steps and not cfg.checkpoint.load_weights_only:
-        raise ckpt.CheckpointError(f"{path} is at step {meta['step']}, which already reaches "
-                                   f"train.max_steps={cfg.train.max_steps}; raise train.max_steps to train on")
-    return path
+    usable = []
+    for path in candidates:
+        try:
+            meta = ckpt.read_meta(path)
+            ckpt.verify_files(path, meta)
+        except ckpt.CheckpointError as e:
+            if not auto:
+                raise
+            log0(f"skipping checkpoint {path}: {e}")
+            continue
+        problems = ckpt.compatibility_problems(meta, cfg, p.model_shapes, p.data.fingerprint,
+                                               cfg.checkpoint.load_weights_only, p.strategy_cls.checkpoint_format,
+                                               p.dims.dp_size)
+        if not cfg.checkpoint.load_weights_only:
+            problems += resume_policy.refusals(path, cfg, p.model_info.hf_config)
+        if problems:
+            raise ckpt.CheckpointError(f"cannot resume from {path}:\n" + "\n".join(f"  - {x}" for x in problems))
+        if not usable and meta["step"] >= cfg.train.max_steps and not cfg.checkpoint.load_weights_only:
+            raise ckpt.CheckpointError(f"{path} is at step {meta['step']}, which already reaches "
+                                       f"train.max_steps={cfg.train.max_steps}; raise train.max_steps to train on")
+        usable.append(path)
+    if not usable:
+        raise ckpt.CheckpointError(f"checkpoint.resume=auto: every checkpoint in {root} is damaged (see above); "
+                                   f"start over with checkpoint.resume=none and checkpoint.overwrite=true")
+    p.resume_fallbacks = usable[1:]
+    return usable[0]
 
 
 def seed_everything(seed: int, rank: int) -> None:
@@ -199,8 +229,17 @@ def build(p: Prepared) -> Run:
               accum, num_params, model_shapes=p.model_shapes, model_desc=desc, built_param_bytes=built_param_bytes)
     run.checkpointer = ckpt.CheckpointManager(run)
     if p.resume_path:
-        run.checkpointer.load(p.resume_path, weights_only=cfg.checkpoint.load_weights_only)
+        from trainer import resume_policy
+
+        path = run.checkpointer.first_intact([p.resume_path] + p.resume_fallbacks,
+                                             fall_back=cfg.checkpoint.resume == "auto")
+        run.checkpointer.load(path, weights_only=cfg.checkpoint.load_weights_only)
+        if not cfg.checkpoint.load_weights_only:
+            for line in resume_policy.apply(run, path):
+                logger.info(f"resume: {line}")
         logger.start_step = run.step
+    if cfg.checkpoint.resume != "none":
+        logger.resume(run.step)  # drop what a killed attempt logged after the checkpoint
     run.stop = StopRequest()
     return run
 
@@ -229,3 +268,5 @@ def close(run: Optional[Run], graceful: bool = True) -> None:
     if graceful:
         parallel.barrier()
     parallel.destroy_process_group()
+    if run is not None:
+        rundir.release(run.run_dir)

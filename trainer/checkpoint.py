@@ -16,15 +16,14 @@ Layout of `<run dir>/checkpoints/`:
 A save writes everything into `.tmp-step_<N>`; once every rank has written its part (DCP's collective finish
 step guarantees it), rank 0 writes COMPLETE.json and renames the folder to `step_<N>`: a crash at any moment
 leaves the earlier checkpoints as they were. DCP writes only tensors here (everything else is JSON), and
-loading reads DCP's metadata with an unpickler that admits only DCP's own record types, so loading never
-runs code from a file.
+loading reads DCP's metadata with an unpickler that admits only DCP's own record types by exact name, and
+every other pickle weights-only (trainer/safe_load.py), so loading never runs code from a file.
 """
 from __future__ import annotations
 
-import io
+import hashlib
 import json
 import os
-import pickle
 import random
 import re
 import shutil
@@ -35,11 +34,11 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 
 from trainer.errors import TesseraError
 
 COMPLETE = "COMPLETE.json"
+KEEP = "KEEP.json"  # a pinned checkpoint (e.g. the last finite one before divergence): never rotated away
 STEP_RE = re.compile(r"^step_(\d+)$")
 TMP_PREFIX = ".tmp-step_"
 FORMAT = 1
@@ -53,44 +52,10 @@ class CheckpointError(TesseraError):
 
 
 # --------------------------------------------------------------------------------------------------------
-# Safe reading of DCP checkpoints.
+# Safe reading of DCP checkpoints: trainer/safe_load.py holds every unpickling (exact allow-lists).
 
-class _DCPMetadataUnpickler(pickle.Unpickler):
-    """DCP pickles its `.metadata`; admit only its own dataclasses and the torch/builtin types they hold."""
-
-    _TORCH = {"Size", "dtype", "layout", "memory_format", "strided", "sparse_coo", "contiguous_format",
-              "channels_last", "preserve_format"}
-    _BUILTINS = {"set", "frozenset", "slice", "complex", "bytearray"}
-
-    def find_class(self, module, name):
-        if module.startswith("torch.distributed.checkpoint") or (module, name) in (
-                ("collections", "OrderedDict"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-                ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath")):
-            return super().find_class(module, name)
-        if module == "torch" and (name in self._TORCH or isinstance(getattr(torch, name, None), torch.dtype)):
-            return super().find_class(module, name)
-        if module == "builtins" and name in self._BUILTINS:
-            return super().find_class(module, name)
-        raise CheckpointError(f"the checkpoint metadata refers to {module}.{name}, which a checkpoint never holds; "
-                              f"refusing to load it")
-
-
-class SafeFileSystemReader(FileSystemReader):
-    def read_metadata(self, *args, **kwargs):
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as fh:
-            metadata = _DCPMetadataUnpickler(fh).load()
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class SafeLoadPlanner(DefaultLoadPlanner):
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+from trainer.safe_load import (  # noqa: E402,F401 - re-exported: strategies and trainer.export use these names
+    _DCPMetadataUnpickler, SafeFileSystemReader, SafeLoadPlanner, load_tensors)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -145,11 +110,16 @@ def read_meta(path: str) -> dict:
             meta["_complete"] = json.load(fh)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint {path} is unreadable ({e}); resume from another one") from None
+    if damaged_files(path, meta, ["meta.json", "config.yaml"]):
+        raise CheckpointError(f"checkpoint {path} is damaged: meta.json or config.yaml differs from what was "
+                              f"saved (checksum); resume from another one")
     return meta
 
 
-def verify_files(path: str, meta: dict) -> None:
-    """Every file the save wrote is there with the size it had: catches truncation and missing shards."""
+def verify_files(path: str, meta: dict, checksums: bool = False) -> None:
+    """Every file the save wrote is there with the size it had (truncation, missing shards) and, with
+    `checksums`, the content it had (bit flips; one process reads every byte: `CheckpointManager.damaged`
+    shares that work among the ranks)."""
     for rel, size in meta["_complete"]["files"].items():
         full = os.path.join(path, rel)
         if not os.path.isfile(full):
@@ -157,6 +127,10 @@ def verify_files(path: str, meta: dict) -> None:
         actual = os.path.getsize(full)
         if actual != size:
             raise CheckpointError(f"checkpoint {path} is damaged: {rel} has {actual} bytes, {size} were written")
+    bad = damaged_files(path, meta) if checksums else []
+    if bad:
+        raise CheckpointError(f"checkpoint {path} is damaged: {len(bad)} file(s) differ from what was saved "
+                              f"(checksum), e.g. {bad[0]}")
     if os.path.isfile(os.path.join(path, ".metadata")):
         try:
             SafeFileSystemReader(path).read_metadata()
@@ -242,6 +216,61 @@ def _files_with_sizes(folder: str) -> Dict[str, int]:
     return out
 
 
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as fh:
+        while True:
+            chunk = fh.read(1 << 23)
+            if not chunk:
+                return h.hexdigest()
+            h.update(chunk)  # hashlib releases the GIL on large buffers: files hash in parallel threads
+
+
+def file_checksums(folder: str, rels) -> Dict[str, str]:
+    """SHA-256 of each file (relative paths under `folder`), several files at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rels = sorted(rels)
+    with ThreadPoolExecutor(max_workers=min(8, max(1, len(rels)))) as pool:
+        digests = list(pool.map(lambda rel: _sha256(os.path.join(folder, rel)), rels))
+    return dict(zip(rels, digests))
+
+
+def damaged_files(path: str, meta: dict, rels=None) -> List[str]:
+    """Files of a sealed checkpoint whose content differs from what the save wrote (SHA-256 in COMPLETE.json);
+    `rels` restricts the check to some of them. Checkpoints sealed before checksums existed pass."""
+    sums = meta["_complete"].get("sha256")
+    if not sums:
+        return []
+    rels = sorted(sums) if rels is None else [r for r in rels if r in sums]
+    found = file_checksums(path, [r for r in rels if os.path.isfile(os.path.join(path, r))])
+    return [r for r in rels if found.get(r) != sums[r]]
+
+
+class _Checksums:
+    def __init__(self, sums: Dict[str, str], seconds: float):
+        self.sums, self.seconds = sums, seconds
+
+
+def _then_checksums(future, folder: str):
+    """A future that resolves, after `future` (an async save), to the _Checksums of the files in `folder`."""
+    import concurrent.futures
+    import threading
+
+    out = concurrent.futures.Future()
+
+    def work():
+        try:
+            future.result()
+            t0 = time.perf_counter()
+            out.set_result(_Checksums(file_checksums(folder, _files_with_sizes(folder)), time.perf_counter() - t0))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the save
+            out.set_exception(e)
+
+    threading.Thread(target=work, name="checkpoint-checksums", daemon=True).start()
+    return out
+
+
 def _write_json_atomic(path: str, obj) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as fh:
@@ -290,10 +319,22 @@ class CheckpointManager:
         self.test_pause = tuple(float(x) for x in pause.split(":")) if pause else None
 
     # ---- saving -------------------------------------------------------------------------------------------
+    def due(self, step: int) -> bool:
+        return self.cfg.every > 0 and step % self.cfg.every == 0
+
     def maybe_save(self, step: int, last: bool = False) -> None:
-        every = self.cfg.every
-        if (every > 0 and step % every == 0) or last:
+        if self.due(step) or last:
             self.save(step)
+
+    def pin_newest(self, reason: str) -> Optional[str]:
+        """Keep the newest complete checkpoint out of keep_last rotation (a KEEP file with the reason); its path."""
+        found = complete_checkpoints(self.root)
+        if not found:
+            return None
+        path = found[-1][1]
+        if self.rank == 0:
+            _write_json_atomic(os.path.join(path, KEEP), {"reason": reason, "time": time.time()})
+        return path
 
     def save(self, step: int) -> None:
         if self.last_saved_step == step:
@@ -315,6 +356,8 @@ class CheckpointManager:
                 time.sleep(self.test_pause[1])
             future = run.strategy.save_checkpoint_state(tmp, self.group, self.cfg.async_save)
             if future is not None:
+                if self.rank == 0:  # hash the files in the background too, once they are written
+                    future = _then_checksums(future, tmp)
                 self.pending = (future, tmp, final, step, t0)
                 self.stats.append({"step": step, "blocking_s": time.perf_counter() - t0})
             else:
@@ -340,27 +383,31 @@ class CheckpointManager:
         future, tmp, final, step, t0 = self.pending
         self.pending = None
         try:
-            future.result()
+            result = future.result()
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # noqa: BLE001
             self._abandon(tmp)
             raise CheckpointError(f"the background save of step {step} failed: {_short(e)}; the earlier "
                                   f"checkpoints are intact") from None
-        self._finalize(tmp, final, step, t0)
+        self._finalize(tmp, final, step, t0, result if isinstance(result, _Checksums) else None)
 
     def poll(self) -> None:
         """Finalize an async save as soon as it is done, without waiting for it."""
         if self.pending is not None and self.pending[0].done():
             self.wait()
 
-    def _finalize(self, tmp: str, final: str, step: int, t0: float) -> None:
+    def _finalize(self, tmp: str, final: str, step: int, t0: float, checksums=None) -> None:
         # DCP's save returns (or its future resolves) on the coordinator only after every rank reported its
         # writes done, so rank 0 alone can seal the checkpoint.
         if self.rank == 0:
             files = _files_with_sizes(tmp)
+            if checksums is None or set(checksums.sums) != set(files):
+                t_sum = time.perf_counter()
+                checksums = _Checksums(file_checksums(tmp, files), time.perf_counter() - t_sum)
+            sums, checksum_s = checksums.sums, checksums.seconds
             _write_json_atomic(os.path.join(tmp, COMPLETE), {"step": step, "format": FORMAT, "files": files,
-                                                              "time": time.time()})
+                                                              "sha256": sums, "time": time.time()})
             if os.path.exists(final):
                 shutil.rmtree(final)
             os.rename(tmp, final)
@@ -372,14 +419,14 @@ class CheckpointManager:
             total = time.perf_counter() - t0
             nbytes = sum(files.values())
             rec = self.stats[-1] if self.stats and self.stats[-1]["step"] == step else {"step": step}
-            rec.update(total_s=total, bytes=nbytes)
+            rec.update(total_s=total, bytes=nbytes, checksum_s=checksum_s)
             self.run.logger.info(f"saved checkpoint {final} ({nbytes / 2**20:.1f} MiB in {total:.2f}s)")
 
     def _retain(self, keep: str) -> None:
         for stale in partial_checkpoints(self.root):
             if stale != keep:
                 shutil.rmtree(stale, ignore_errors=True)
-        complete = complete_checkpoints(self.root)
+        complete = [(s, p) for s, p in complete_checkpoints(self.root) if not os.path.isfile(os.path.join(p, KEEP))]
         if self.cfg.keep_last > 0:
             for _, path in complete[:-self.cfg.keep_last]:
                 shutil.rmtree(path, ignore_errors=True)
@@ -414,6 +461,36 @@ class CheckpointManager:
         run.tokenizer.save_pretrained(hf_dir)
 
     # ---- loading ------------------------------------------------------------------------------------------
+    def damaged(self, path: str) -> List[str]:
+        """Files of `path` whose content differs from the save's checksums. Collective: each rank hashes a
+        share of the files, so a large checkpoint is read once in all, not once per rank."""
+        meta = read_meta(path)
+        rels = sorted(meta["_complete"].get("sha256", {}))
+        world = dist.get_world_size(self.group) if self.group is not None else 1
+        bad = damaged_files(path, meta, rels[self.rank % world::world])
+        if self.group is None:
+            return bad
+        gathered = [None] * world
+        dist.all_gather_object(gathered, bad, group=self.group)
+        return sorted(f for part in gathered for f in part)
+
+    def first_intact(self, candidates: List[str], fall_back: bool) -> str:
+        """The first candidate whose files all match their checksums. With fall_back (resume=auto) a damaged one
+        is skipped with a message naming it; otherwise it is an error."""
+        skipped = []
+        for path in candidates:
+            bad = self.damaged(path)
+            if not bad:
+                return path
+            why = f"{len(bad)} file(s) differ from what was saved (checksum), e.g. {bad[0]}"
+            if not fall_back:
+                raise CheckpointError(f"checkpoint {path} is damaged: {why}; resume from another one")
+            self.run.logger.info(f"skipping checkpoint {path}: {why}")
+            skipped.append(path)
+        raise CheckpointError(f"no intact checkpoint to resume from: {', '.join(skipped)} are damaged; resume "
+                              f"from an earlier copy, or start over with checkpoint.resume=none and "
+                              f"checkpoint.overwrite=true")
+
     def load(self, path: str, weights_only: bool) -> None:
         """Restore the run from a complete checkpoint (compatibility was checked before the process group
         started). With weights_only, only the model's weights: a new run starts from them at step 0."""
@@ -437,7 +514,7 @@ class CheckpointManager:
         run.strategy.precision.load_state_dict(meta["precision"])
         rng_file = os.path.join(path, "rng", f"rank_{self.rank}.pt")
         if os.path.isfile(rng_file) and meta["world_size"] == run.strategy.dims.world_size:
-            set_rng_state(torch.load(rng_file, weights_only=True))
+            set_rng_state(load_tensors(rng_file, "RNG state file"))
         self.last_saved_step = run.step
         change = "" if meta["world_size"] == run.strategy.dims.world_size else \
             f" (saved at world size {meta['world_size']}, now {run.strategy.dims.world_size})"

@@ -28,6 +28,8 @@ def sanitize_argv(argv: list) -> list:
         out.append(arg)
     if int(os.environ.get("RANK", "0")) != 0 and not any(a.startswith("hydra.output_subdir") for a in out):
         out.append("hydra.output_subdir=null")
+    if out and os.path.basename(out[0]) == "main.py":  # the training entry point: Hydra creates the run dir next
+        run_dir_preflight(out)
     return out
 
 
@@ -59,20 +61,156 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("launch_time", launch_time, use_cache=True)
 
 
+def unwritable(folder: str):
+    """Why `folder` (existing or to be created) cannot be written, or None: the nearest existing ancestor must
+    be a writable folder (os.access: EROFS on a read-only file system, EACCES for a non-root user)."""
+    path = os.path.abspath(folder)
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    if not os.path.isdir(path):
+        return f"{path} is not a folder"
+    if not os.access(path, os.W_OK | os.X_OK):
+        import errno
+
+        try:  # tell a read-only file system from a permission problem
+            st = os.statvfs(path)
+            if st.f_flag & os.ST_RDONLY:
+                return f"{path} is on a read-only file system"
+        except OSError:
+            pass
+        return f"{path} is not writable ({os.strerror(errno.EACCES).lower()})"
+    return None
+
+
+def writable_problems(cfg, run_dir: str) -> list:
+    """Folders the run writes, checked up front (prepare): one problem per folder, naming the key to change."""
+    from trainer.data.store import default_cache_dir
+
+    problems = []
+    why = unwritable(run_dir)
+    if why:
+        problems.append(f"hydra.run.dir={run_dir}: {why}; set hydra.run.dir to a writable folder")
+    cache = cfg.data.cache_dir or default_cache_dir()
+    why = unwritable(cache)
+    if why:
+        key = "data.cache_dir" if cfg.data.cache_dir else "the tokenization cache (TESSERA_CACHE, or data.cache_dir)"
+        problems.append(f"{key}={cache}: {why}; set data.cache_dir (or TESSERA_CACHE) to a writable folder")
+    return problems
+
+
+def run_dir_preflight(argv) -> None:
+    """Before Hydra creates the run directory (it would fail with a traceback): an explicit hydra.run.dir that
+    can't be written ends here with one message and exit code 2."""
+    for arg in argv[1:]:
+        if arg.startswith("hydra.run.dir="):
+            folder = arg.split("=", 1)[1]
+            why = unwritable(folder) if folder and "${" not in folder else None
+            if why:
+                print(f"error: hydra.run.dir={folder}: {why}; set hydra.run.dir to a writable folder",
+                      file=sys.stderr, flush=True)
+                sys.exit(2)
+
+
 @contextmanager
 def user_errors():
-    """A TesseraError (bad config, data, model, checkpoint, launch) exits non-zero with its message only.
-    Rank 0 prints it; other ranks print it only when it may differ from rank 0's (not a config error)."""
+    """A TesseraError (bad config, data, model, checkpoint, launch) exits with its code and message only.
+    Rank 0 prints it; other ranks print it only when it may differ from rank 0's (`same_on_every_rank`).
+    Known runtime faults raised inside torch.distributed (a peer gone, a collective timed out) or by the OS (disk
+    full, read-only, permission denied) become one line naming the cause and the key or path, exit code 4.
+    Anything else is a bug and keeps its traceback. TESSERA_DEBUG=1 prints the traceback of translated errors."""
+    from trainer.errors import EXIT_FAULT
+
+    rank = int(os.environ.get("RANK", "0"))
+    prefix = f"[rank {rank}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
     try:
         yield
     except TesseraError as e:
-        rank = int(os.environ.get("RANK", "0"))
-        from trainer.errors import ConfigError
-
-        if rank == 0 or not isinstance(e, ConfigError):
-            prefix = f"[rank {rank}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+        if rank == 0 or not e.same_on_every_rank:
+            _debug_traceback()
             print(f"{prefix}error: {e}", file=sys.stderr, flush=True)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr, flush=True)
         sys.exit(130)
+    except Exception as e:  # noqa: BLE001 - only the known fault classes are translated, the rest re-raised
+        message = fault_message(e)
+        if message is None:
+            raise
+        _debug_traceback()
+        print(f"{prefix}error: {message}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_FAULT)
+
+
+def _debug_traceback() -> None:
+    if os.environ.get("TESSERA_DEBUG", "") not in ("", "0"):
+        import traceback
+
+        traceback.print_exc()
+
+
+_DISK_ERRNOS = {"ENOSPC": "the disk is full", "EDQUOT": "the disk quota is exceeded",
+                "EROFS": "the file system is read-only", "EACCES": "permission denied",
+                "EPERM": "permission denied"}
+_PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused",
+              "remote process exited", "ncclremoteerror", "socket closed", "end of file", "peer closed",
+              "communicator was aborted", "no route to host")
+_TIMED_OUT = ("timed out", "timeout", "deadline exceeded")
+_DIST_MARKERS = ("gloo", "nccl", "c10d", "processgroup", "tcpstore", "watchdog", "collective")
+
+
+def _chain(e: BaseException):
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def fault_message(e: BaseException):
+    """One line for a known runtime fault (None for anything else): which peer or path, and what to change."""
+    import errno as _errno
+
+    for x in _chain(e):
+        if isinstance(x, OSError) and x.errno in {getattr(_errno, n) for n in _DISK_ERRNOS if hasattr(_errno, n)}:
+            what = _DISK_ERRNOS[_errno.errorcode[x.errno]]
+            path = x.filename or "a file of the run"
+            return (f"{what}: {path} ({x.strerror}); free space or make it writable (the run directory is "
+                    f"hydra.run.dir, the tokenization cache data.cache_dir / TESSERA_CACHE), then resume with "
+                    f"checkpoint.resume=auto")
+    text = " ".join(str(x) for x in _chain(e)).lower()
+    if "no space left on device" in text:
+        return ("the disk is full while writing (no space left on device); free space in hydra.run.dir (or the "
+                "folder being written), then resume with checkpoint.resume=auto")
+    dist_error = _is_dist_error(e)
+    if not (dist_error or (isinstance(e, RuntimeError) and any(m in text for m in _DIST_MARKERS))):
+        return None
+    first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+    detail = first[first.rfind("] ") + 2:] if "] " in first else first  # past gloo's [file:line] prefixes
+    detail = detail.split(". This is typically")[0][:200]
+    if any(p in text for p in _PEER_GONE):
+        return f"{_peer()} is gone: the connection to it closed ({detail}); it died or was killed, see its own " \
+               f"output (or the launcher's) for why; resume with checkpoint.resume=auto"
+    if any(p in text for p in _TIMED_OUT):
+        timeout = getattr(sys.modules.get("trainer.parallel"), "COLLECTIVE_TIMEOUT_S", None)
+        limit = f"train.collective_timeout_s={timeout:g}" if timeout else "train.collective_timeout_s"
+        return (f"a collective timed out after {limit} seconds ({detail}): {_peer()} stopped responding (stalled, "
+                f"stopped or much slower); check it, or raise train.collective_timeout_s if a step legitimately "
+                f"takes longer")
+    if dist_error:
+        return f"a communication fault between the ranks ({detail}); check the other ranks' output and the network"
+    return None
+
+
+def _is_dist_error(e) -> bool:
+    dist = sys.modules.get("torch.distributed")
+    classes = tuple(c for c in (getattr(dist, "DistError", None),) if isinstance(c, type))
+    return bool(classes) and isinstance(e, classes)
+
+
+def _peer() -> str:
+    """The peer rank when it is unambiguous (two ranks), else 'a peer rank'."""
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    return f"rank {1 - rank}" if world == 2 and rank in (0, 1) else "a peer rank"

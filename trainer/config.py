@@ -6,6 +6,7 @@ naming the keys to change, before any process group starts.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
@@ -235,6 +236,101 @@ CHOICES = {
 }
 
 
+# Range of every numeric key (int / float fields of the schema; null is always allowed where the field is
+# Optional). Each entry: (test, what the value must be). Floats must also be finite. tests/unit/test_config.py
+# walks the dataclasses: a new numeric key without an entry here (or in RANGE_CHECKED_ELSEWHERE) fails it.
+def _between(lo, hi, lo_open=False, hi_open=False):
+    def test(v):
+        return (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+    return test, f"in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+
+
+def _positive(note: str = ""):
+    return (lambda v: v > 0), "> 0" + (f" ({note})" if note else "")
+
+
+def _at_least(lo, note: str = ""):
+    return (lambda v: v >= lo), f">= {lo}" + (f" ({note})" if note else "")
+
+
+RANGES = {
+    "model.hidden_size": _positive(),
+    "model.num_layers": _positive(),
+    "model.num_heads": _positive(),
+    "model.num_kv_heads": _positive("null = model.num_heads"),
+    "model.intermediate_size": _positive("null = derived from model.hidden_size"),
+    "model.max_position_embeddings": _positive(),
+    "model.rope_theta": _positive(),
+    "model.initializer_range": _positive("the init std of the preset's weights"),
+    "data.seq_len": _positive(),
+    "data.val_fraction": _between(0, 1, hi_open=True),
+    "data.split_seed": _at_least(0),
+    "data.embedded_documents": _positive(),
+    "data.max_records": _positive("null = all records"),
+    "strategy.pp_stages_per_rank": _positive(),
+    "strategy.zero_stage": ((lambda v: v in (0, 1, 2, 3)), "one of 0, 1, 2, 3 (the strategy group sets it)"),
+    "strategy.reduce_bucket_size": _positive("elements"),
+    "strategy.allgather_bucket_size": _positive("elements"),
+    "strategy.stage3_prefetch_bucket_size": _at_least(0, "elements"),
+    "strategy.stage3_param_persistence_threshold": _at_least(0, "elements"),
+    "strategy.bucket_cap_mb": _positive("MiB"),
+    "optim.lr": _positive(),
+    "optim.weight_decay": _at_least(0),
+    "optim.eps": _positive(),
+    "optim.momentum": _between(0, 1, hi_open=True),
+    "scheduler.warmup_steps": _at_least(0),
+    "scheduler.min_lr_ratio": _between(0, 1),
+    "precision.init_scale": _positive(),
+    "precision.growth_interval": _positive("steps"),
+    "precision.growth_factor": ((lambda v: v > 1), "> 1"),
+    "precision.backoff_factor": _between(0, 1, lo_open=True, hi_open=True),
+    "train.max_steps": _positive(),
+    "train.global_batch_size": _positive(),
+    "train.micro_batch_size": _positive(),
+    "train.seed": _at_least(0),
+    "train.log_every": _positive(),
+    "train.grad_clip": _at_least(0, "0 disables clipping"),
+    "train.collective_timeout_s": _positive("seconds"),
+    "train.activation_checkpointing_every": _positive(),
+    "train.loss_spike_factor": ((lambda v: v == 0 or v > 1), "0 (off) or > 1"),
+    "eval.every": _at_least(0, "0 disables periodic eval"),
+    "eval.max_sequences": _at_least(0, "0 = all"),
+    "checkpoint.every": _at_least(0, "0: no periodic checkpoints"),
+    "checkpoint.keep_last": _at_least(0, "0 keeps every checkpoint"),
+    "logging.peak_tflops": _positive("TFLOP/s; null = detected"),
+}
+
+# Numeric keys whose range is checked next to the rules they belong to.
+RANGE_CHECKED_ELSEWHERE = {
+    "strategy.dp_replicate": "trainer.parallel.ParallelDims.problems (a positive degree or -1)",
+    "strategy.dp_shard": "trainer.parallel.ParallelDims.problems (a positive degree or -1)",
+    "strategy.tp": "trainer.parallel.ParallelDims.problems (a positive degree or -1)",
+    "strategy.pp": "trainer.parallel.ParallelDims.problems (a positive degree or -1)",
+    "strategy.pp_split_points": "models.plans.split_problems (increasing layer indices)",
+    "optim.betas": "validate (two numbers in [0, 1))",
+}
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def range_problems(cfg) -> List[str]:
+    """One problem per numeric key outside its range (RANGES), each naming the key, its value and the range."""
+    problems = []
+    for key, (test, what) in RANGES.items():
+        node: Any = cfg
+        for part in key.split("."):
+            node = getattr(node, part)
+        if node is None:
+            continue
+        if not _finite(node):
+            problems.append(f"{key}={node} must be a finite number {what}")
+        elif not test(node):
+            problems.append(f"{key}={node} must be {what}")
+    return problems
+
+
 def validate(cfg: TesseraConfig, world_size: int) -> List[str]:
     """Field-level and cross-field problems of the config alone (strategy- and model-specific checks are added
     by the strategy class and the model registry). Returns every problem found, each naming its keys."""
@@ -250,29 +346,9 @@ def validate(cfg: TesseraConfig, world_size: int) -> List[str]:
         if get(key) not in allowed:
             problems.append(f"{key}={get(key)!r} is not one of {', '.join(allowed)}")
 
-    t = cfg.train
-    for key in ("train.max_steps", "train.global_batch_size", "train.micro_batch_size", "train.log_every",
-                "data.seq_len"):
-        if get(key) <= 0:
-            problems.append(f"{key}={get(key)} must be positive")
-    if t.activation_checkpointing_every <= 0:
-        problems.append(f"train.activation_checkpointing_every={t.activation_checkpointing_every} must be positive")
-    if cfg.train.collective_timeout_s <= 0:
-        problems.append("train.collective_timeout_s must be positive")
-    if t.grad_clip < 0:
-        problems.append(f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
-    if cfg.optim.lr <= 0:
-        problems.append(f"optim.lr={cfg.optim.lr} must be positive")
-    if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
+    problems += range_problems(cfg)
+    if len(cfg.optim.betas) != 2 or not all(_finite(b) and 0 <= b < 1 for b in cfg.optim.betas):
         problems.append(f"optim.betas={list(cfg.optim.betas)} must be two numbers in [0, 1)")
-    if cfg.scheduler.warmup_steps < 0:
-        problems.append("scheduler.warmup_steps must be >= 0")
-    if not 0 <= cfg.scheduler.min_lr_ratio <= 1:
-        problems.append("scheduler.min_lr_ratio must be in [0, 1]")
-    if not 0 <= cfg.data.val_fraction < 1:
-        problems.append(f"data.val_fraction={cfg.data.val_fraction} must be in [0, 1)")
-    if cfg.eval.every < 0:
-        problems.append("eval.every must be >= 0")
     if cfg.data.kind in ("text", "sft") and not cfg.data.path:
         problems.append(f"data.path must be set for data.kind={cfg.data.kind} (a file, folder or glob)")
     if cfg.data.kind == "hub" and not cfg.data.name:
@@ -281,18 +357,15 @@ def validate(cfg: TesseraConfig, world_size: int) -> List[str]:
         problems.append("model.name_or_path must be set for model=hf (a local folder or a hub id)")
     if cfg.model.kind != "hf":
         m = cfg.model
-        if m.hidden_size <= 0 or m.num_layers <= 0 or m.num_heads <= 0:
-            problems.append("model.hidden_size, model.num_layers and model.num_heads must be positive")
-        elif m.hidden_size % m.num_heads:
+        if m.hidden_size > 0 and m.num_heads > 0 and m.hidden_size % m.num_heads:
             problems.append(f"model.hidden_size={m.hidden_size} must be divisible by model.num_heads={m.num_heads}")
-        if m.num_kv_heads is not None and (m.num_kv_heads <= 0 or m.num_heads % m.num_kv_heads):
+        if m.num_kv_heads is not None and m.num_kv_heads > 0 and m.num_heads > 0 and m.num_heads % m.num_kv_heads:
             problems.append(f"model.num_heads={m.num_heads} must be divisible by model.num_kv_heads={m.num_kv_heads}")
+    t = cfg.train
     if t.device not in ("auto", "cpu") and not t.device.startswith("cuda"):
         problems.append(f"train.device={t.device!r} must be auto, cpu, cuda or cuda:N")
     if cfg.checkpoint.resume not in ("none", "auto") and not os.path.exists(cfg.checkpoint.resume):
         problems.append(f"checkpoint.resume={cfg.checkpoint.resume!r}: no such path (use auto, none or a path)")
-    if cfg.checkpoint.every < 0:
-        problems.append("checkpoint.every must be >= 0 (0: no periodic checkpoints)")
     if cfg.checkpoint.load_weights_only and cfg.checkpoint.resume == "none":
         problems.append("checkpoint.load_weights_only=true needs checkpoint.resume=<path> (or auto)")
     return problems

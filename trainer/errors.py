@@ -19,10 +19,14 @@ class TesseraError(Exception):
     """Bad input from the user (config, data, model, checkpoint, launch). Printed without a traceback."""
 
     exit_code = EXIT_BAD_INPUT
+    # True where every rank reaches the same error from the same input: rank 0 alone prints it.
+    same_on_every_rank = False
 
 
 class ConfigError(TesseraError):
     """One or more configuration problems, reported together."""
+
+    same_on_every_rank = True
 
     def __init__(self, problems):
         self.problems = list(problems)
@@ -42,6 +46,7 @@ class DivergenceError(TesseraError):
     """Training produced a non-finite loss or gradient norm (or a loss spike over the configured factor)."""
 
     exit_code = EXIT_DIVERGED
+    same_on_every_rank = True  # judged from the global loss and gradient norm
 
 
 class FaultError(TesseraError):

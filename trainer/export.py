@@ -54,7 +54,7 @@ def export_checkpoint(checkpoint: str, out_dir: str, dtype: str | None = None) -
     if path is None:
         raise ckpt.CheckpointError(f"{checkpoint}: no complete checkpoint")
     meta = ckpt.read_meta(path)
-    ckpt.verify_files(path, meta)
+    ckpt.verify_files(path, meta, checksums=True)
     if dtype is None:
         dtype = checkpoint_export_dtype(path)
     hf_dir = os.path.join(path, "hf_config")
@@ -83,23 +83,25 @@ def export_checkpoint(checkpoint: str, out_dir: str, dtype: str | None = None) -
 
 def _export_deepspeed(path: str, config, tokenizer, out_dir: str, dtype: str) -> None:
     """ZeRO shards -> HF folder, one parameter at a time (DeepSpeed's lazy fp32 reconstruction of the master
-    weights), so the full fp32 model is never held at once. DeepSpeed's own files are pickles: export only
-    checkpoints you trust."""
+    weights), so the full fp32 model is never held at once. DeepSpeed's own files are pickles: each is checked
+    weights-only against an exact allow-list first, and DeepSpeed's reads are weights-only (trainer/safe_load.py)."""
     import contextlib
     import io
 
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+    from trainer.safe_load import checked_deepspeed_folder
     from trainer.strategies.base import write_hf_folder_streaming
 
-    with contextlib.redirect_stdout(io.StringIO()):  # its progress chatter
-        lazy = get_fp32_state_dict_from_zero_checkpoint(path, tag="zero", lazy_mode=True)
+    with checked_deepspeed_folder(path):  # the lazy tensors read their files while they are written out
+        with contextlib.redirect_stdout(io.StringIO()):  # its progress chatter
+            lazy = get_fp32_state_dict_from_zero_checkpoint(path, tag="zero", lazy_mode=True)
 
-    def tensors():
-        for name, value in lazy.items():
-            yield name, value.contiguous()
+        def tensors():
+            for name, value in lazy.items():
+                yield name, value.contiguous()
 
-    write_hf_folder_streaming(config, tokenizer, out_dir, tensors(), writer=True, dtype=dtype)
+        write_hf_folder_streaming(config, tokenizer, out_dir, tensors(), writer=True, dtype=dtype)
 
 
 def main(argv=None) -> int:
@@ -109,13 +111,24 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=DTYPES, default=None,
                         help="dtype of the written weights (default: the run's export.dtype, fp32 if unset)")
     args = parser.parse_args(argv)
-    from trainer.errors import TesseraError
+    from trainer.cli import fault_message, unwritable
+    from trainer.errors import EXIT_BAD_INPUT, EXIT_FAULT, TesseraError
 
+    why = unwritable(args.out_dir)
+    if why:
+        print(f"error: the export folder {args.out_dir}: {why}; pass a writable out_dir", file=sys.stderr)
+        return EXIT_BAD_INPUT
     try:
         path = export_checkpoint(args.checkpoint, args.out_dir, dtype=args.dtype)
     except TesseraError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code
+    except OSError as e:  # disk full / read-only while writing: one line naming the path (exit 4)
+        message = fault_message(e)
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr)
+        return EXIT_FAULT
     print(f"exported {path} to {os.path.abspath(args.out_dir)}")
     return 0
 

@@ -13,6 +13,7 @@ import time
 import numpy as np
 import torch
 
+from trainer.divergence import DivergenceGuard
 from trainer.memory import log_memory, watch_first_step
 from trainer.metrics import Throughput, device_peak_tflops, flops_per_token, peak_memory_gib
 
@@ -29,19 +30,21 @@ def fit(run) -> None:
         run.logger.eval_record(0, evaluate(run))
     strategy.model.train()
     first = watch_first_step(run)  # probes the first step's model-state memory (trainer/memory.py)
+    guard = DivergenceGuard(run)
     while run.step < t.max_steps:
         k = run.step
         global_batch = run.sampler.global_batch(k)
         n_target = run.data.train.count_targets(global_batch)
         positions = run.sampler.micro_batches(k, strategy.dp_rank, strategy.dp_size, t.micro_batch_size)
         micro_batches = [run.data.train.get(pos) for pos in positions]
-        lr = run.scheduler.get_last_lr()[0]
+        lr = strategy.optimizer.param_groups[0]["lr"]
         loss_sum = strategy.forward_backward(micro_batches, n_target)
         grad_norm, skipped = strategy.optimizer_step(t.grad_clip)
         run.scheduler.step()
         run.step += 1
         run.tokens_seen += n_target
         run.skipped_steps += int(skipped)
+        guard.observe(run.step, grad_norm, skipped)
         throughput.add(n_target, len(global_batch) * cfg.data.seq_len)
 
         periodic_eval = cfg.eval.every > 0 and run.step % cfg.eval.every == 0
@@ -63,11 +66,11 @@ def fit(run) -> None:
                 record.update(results)
                 run.logger.eval_record(run.step, results)
                 throughput.exclude(time.perf_counter() - t_eval)
-            if not math.isfinite(loss):
-                run.logger.info(f"warning: non-finite loss at step {run.step}")
         else:
             record = None
         run.logger.advance(run.step, record)
+        if record is not None:
+            guard.check_logged(run.step, record["loss"], skipped)  # after the record is logged: it shows the value
         if first:  # all ranks: gather, log one line, write memory.json (not training time: left out of tokens/s)
             t_aside = time.perf_counter()
             first = log_memory(run)
@@ -79,8 +82,11 @@ def fit(run) -> None:
             run.logger.info(f"{run.stopped_by} received: stopping after step {run.step}")
             break
         t_aside = time.perf_counter()
+        if run.checkpointer.due(run.step):
+            guard.check(run.step)  # only finite weights are ever saved
         run.checkpointer.maybe_save(run.step)  # a save's wait is reported by the checkpointer, not in tokens/s
         throughput.exclude(time.perf_counter() - t_aside)
+    guard.check(run.step)
     if cfg.checkpoint.at_end or run.stopped_by:
         run.checkpointer.save(run.step)
     run.checkpointer.wait()

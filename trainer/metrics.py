@@ -11,6 +11,8 @@ from typing import Optional
 
 import torch
 
+from trainer.errors import FaultError
+
 # Dense bf16 peak TFLOP/s of one device, by a substring of its name.
 KNOWN_PEAKS = (("H200", 989.0), ("H100", 989.0), ("A100", 312.0), ("L40S", 362.0), ("A10G", 125.0),
                ("4090", 165.0))
@@ -49,18 +51,42 @@ class MetricsLogger:
         self.bar = None
         self.tb = None
         self.jsonl = None
+        self.eval_jsonl = None
+        self.tensorboard = tensorboard
+        self.run_dir = run_dir
+        self.start_step = start_step
         if not enabled:
             return
-        self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
-        self.eval_jsonl = open(os.path.join(run_dir, "eval.jsonl"), "a", buffering=1)
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+        self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
+        self.eval_path = os.path.join(run_dir, "eval.jsonl")
+        self.jsonl = _open_log(self.metrics_path)
+        self.eval_jsonl = _open_log(self.eval_path)
         self.progress = progress
         self.max_steps = max_steps
-        self.start_step = start_step
         self.t_start = time.perf_counter()
+
+    def resume(self, step: int) -> None:
+        """A run continued from step `step` (0: started over by checkpoint.resume=auto without a checkpoint):
+        drop what a killed attempt logged after it (and lines a crash cut short), so each log stays one series.
+        The evaluation at step 0 is made again when starting over, so it goes too."""
+        self.start_step = step
+        if not self.enabled:
+            return
+        self.jsonl.close()
+        self.eval_jsonl.close()
+        truncate_jsonl(self.metrics_path, lambda s: s <= step)
+        truncate_jsonl(self.eval_path, lambda s: s < step or (s == step and step > 0))
+        self.jsonl = _open_log(self.metrics_path)
+        self.eval_jsonl = _open_log(self.eval_path)
+
+    def _tb(self):
+        if self.tb is None and self.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # A resumed run discards the events a killed attempt wrote after its checkpoint.
+            purge = self.start_step + 1 if self.start_step > 0 else None
+            self.tb = SummaryWriter(os.path.join(self.run_dir, "tensorboard"), purge_step=purge)
+        return self.tb
 
     def _ensure_bar(self):
         # A live bar on a terminal; plain lines (with ETA) when output goes to a file or a pipe.
@@ -87,11 +113,12 @@ class MetricsLogger:
             self.bar.update(step - self.bar.n)
         if record is None:
             return
-        self.jsonl.write(json.dumps(record) + "\n")
-        if self.tb is not None:
+        _write(self.jsonl, self.metrics_path, record)
+        tb = self._tb()
+        if tb is not None:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
-                    self.tb.add_scalar(k, v, record["step"])
+                    tb.add_scalar(k, v, record["step"])
         if self.bar is not None:
             post = {"loss": f"{record['loss']:.4f}", "lr": f"{record['lr']:.2e}",
                     "tok/s": f"{record['tokens_per_s']:.0f}"}
@@ -108,7 +135,7 @@ class MetricsLogger:
         """Every evaluation, also the one before training (step 0), in eval.jsonl."""
         if not self.enabled or not results:
             return
-        self.eval_jsonl.write(json.dumps({"step": step, **results}) + "\n")
+        _write(self.eval_jsonl, self.eval_path, {"step": step, **results})
         if step == 0:
             self.info(f"step 0 | val_loss {results['val_loss']:.4f} (ppl {results['val_ppl']:.2f})")
 
@@ -117,9 +144,88 @@ class MetricsLogger:
             self.bar.close()
         if self.tb is not None:
             self.tb.close()
-        if self.jsonl is not None:
-            self.jsonl.close()
-            self.eval_jsonl.close()
+        for fh in (self.jsonl, self.eval_jsonl):
+            if fh is not None:
+                try:
+                    fh.close()
+                except OSError:  # a failed write was already reported
+                    pass
+
+
+def finite_or_none(obj):
+    """NaN and infinities become None (JSON null), in nested dicts and lists too."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_or_none(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_or_none(v) for v in obj]
+    return obj
+
+
+def json_line(record: dict) -> str:
+    """One line of valid JSON (never a bare NaN or Infinity)."""
+    return json.dumps(finite_or_none(record), allow_nan=False) + "\n"
+
+
+def _log_fault(path: str, e: OSError) -> FaultError:
+    return FaultError(f"writing {path} failed: {e.strerror or e}; the disk is full or the folder is not "
+                      f"writable. Free space (or fix the permissions), then continue with checkpoint.resume=auto")
+
+
+def _open_log(path: str):
+    try:
+        return open(path, "a", buffering=1)
+    except OSError as e:
+        raise _log_fault(path, e) from None
+
+
+def _write(fh, path: str, record: dict) -> None:
+    try:
+        fh.write(json_line(record))
+    except OSError as e:
+        raise _log_fault(path, e) from None
+
+
+def truncate_jsonl(path: str, keep) -> int:
+    """Rewrite a JSONL log (atomically) keeping the records whose `step` passes `keep`, in order, and dropping
+    lines that do not parse (the last one, cut short by a crash); returns how many lines were dropped."""
+    try:
+        with open(path, "rb") as fh:
+            lines = fh.read().split(b"\n")
+    except FileNotFoundError:
+        return 0
+    except OSError as e:
+        raise FaultError(f"reading {path} failed: {e.strerror or e}") from None
+    kept, dropped = [], 0
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            ok = isinstance(rec, dict) and isinstance(rec.get("step"), int) and keep(rec["step"])
+        except ValueError:
+            ok = False
+        if ok:
+            kept.append(line)
+        else:
+            dropped += 1
+    if dropped == 0 and (not lines or lines[-1] == b""):
+        return 0  # nothing to drop, and the file ends with a newline: leave it as it is
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(b"".join(line + b"\n" for line in kept))
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise _log_fault(path, e) from None
+    return dropped
 
 
 def format_record(r: dict) -> str:

@@ -14,7 +14,7 @@ from typing import List
 import torch
 import torch.distributed as dist
 
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, FaultError, TesseraError
 
 DEGREE_KEYS = ("dp_replicate", "dp_shard", "tp", "pp")
 
@@ -146,22 +146,56 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+COLLECTIVE_TIMEOUT_S = None  # train.collective_timeout_s of the started group (named in timeout messages)
+
+
 def init_process_group(device: torch.device, timeout_s: float) -> None:
     """Start the default process group: nccl on CUDA, gloo on CPU. A single process started with plain
-    `python` gets a one-rank group on a free local port."""
+    `python` (no WORLD_SIZE from a launcher) gets a one-rank group on a free local port, whatever MASTER_ADDR /
+    MASTER_PORT the shell exports (a one-rank group meets no one). A MASTER_PORT in use or ranks that never
+    arrive become one message naming the port or train.collective_timeout_s."""
+    global COLLECTIVE_TIMEOUT_S
     if dist.is_initialized():
         return
-    if "MASTER_ADDR" not in os.environ:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-        os.environ.setdefault("LOCAL_RANK", "0")
+    if "WORLD_SIZE" not in os.environ:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
+                          LOCAL_RANK="0")
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {}
     if device.type == "cuda":
         kwargs["device_id"] = device
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    COLLECTIVE_TIMEOUT_S = timeout_s
+    try:
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    except (RuntimeError, ValueError) as e:  # DistNetworkError / DistStoreError are RuntimeErrors
+        problem = start_problem(e, timeout_s)
+        if problem is None:
+            raise
+        raise problem from None
+
+
+def port_in_use_message(port, addr: str = "") -> str:
+    where = f" on {addr}" if addr else ""
+    return (f"MASTER_PORT={port} is already in use{where} (another run or program listens on it); pick a free port "
+            f"(MASTER_PORT=<port>, torchrun/deepspeed --master_port) or, with launch.sh on one node, leave "
+            f"MASTER_PORT unset")
+
+
+def start_problem(e: BaseException, timeout_s: float):
+    """The user-facing error for a process group that could not start, or None (not a known cause)."""
+    text = str(e)
+    low = text.lower()
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    if "eaddrinuse" in low or "address already in use" in low:
+        return TesseraError(port_in_use_message(port, addr))
+    if "timed out" in low or "timeout" in low:
+        return FaultError(f"the process group did not start within train.collective_timeout_s={timeout_s:g} "
+                          f"seconds: not every rank reached MASTER_ADDR={addr}:MASTER_PORT={port} (check that every "
+                          f"node started with the same MASTER_ADDR/MASTER_PORT, NNODES and NPROC_PER_NODE)")
+    if ("master_addr" in low or "master_port" in low) and "expected" in low:
+        return TesseraError(f"the launcher left {text.split('expected')[0].strip() or 'MASTER_ADDR/MASTER_PORT'} "
+                            f"unset; set MASTER_ADDR and MASTER_PORT (or start with torchrun / launch.sh)")
+    return None
 
 
 def destroy_process_group() -> None:

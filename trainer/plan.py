@@ -326,9 +326,14 @@ def report(cfg, world_size: int, info, est: Estimate, device_gib: Optional[float
     return "\n".join(lines)
 
 
+EXIT_DOES_NOT_FIT = 1  # `plan` only: the config is valid but needs more than plan.device_memory per device
+
+
 def main(argv=None) -> int:
+    """Exit codes: 0 valid (and fits plan.device_memory when given), 1 valid but does not fit, 2 the config has
+    problems (the same problems and code training would give)."""
     from trainer.cli import sanitize_argv
-    from trainer.errors import TesseraError
+    from trainer.errors import EXIT_BAD_INPUT, TesseraError
 
     argv = sanitize_argv(list(sys.argv[1:] if argv is None else argv))
     try:
@@ -341,8 +346,12 @@ def main(argv=None) -> int:
         print(report(cfg, world_size, info, est, device_gib))
     except TesseraError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 1 if est.problems else 0
+        return EXIT_BAD_INPUT
+    if est.problems:
+        return EXIT_BAD_INPUT  # the config has problems: the same code as training would give
+    if device_gib is not None and est.device_total / GIB > device_gib:
+        return EXIT_DOES_NOT_FIT  # valid, but does not fit plan.device_memory
+    return 0
 
 
 def _compose(overrides):

@@ -1,22 +1,153 @@
-"""torchrun for launch.sh: the same launcher, but a rank that fails ends with its own message and exit code
-instead of torchrun's traceback of the failure (the rank already printed what went wrong)."""
+"""torchrun for launch.sh: the same launcher, with Tessera's exits.
+
+- A rank that fails ends with its own message and exit code instead of torchrun's traceback of the failure (the
+  rank already printed what went wrong).
+- SIGTERM / SIGINT (Ctrl-C) is forwarded to the ranks, which stop after the same step and save; the launcher then
+  exits 0 without a traceback (torchrun alone would raise SignalException: exit 1 and a traceback, and SIGKILL
+  its workers after TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s). torchrun keeps SIGHUP and SIGQUIT. The ranks get
+  TESSERA_STOP_GRACE_S seconds (default 600) to save; after that they are killed and the launcher exits 4.
+- The ranks know this process as their launcher (TESSERA_LAUNCHER_PID); if it dies, even by SIGKILL, they stop
+  and save (trainer/preemption.py: guard_launcher).
+"""
 from __future__ import annotations
 
+import os
+import signal
 import sys
+import threading
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+TORCHRUN_SIGNALS = "SIGHUP,SIGQUIT"  # torchrun's own handling (SignalException) stays for these only
+
+
+def stop_grace_s() -> float:
+    return float(os.environ.get("TESSERA_STOP_GRACE_S", "600"))
+
+
+def children(pid: int) -> list:
+    """Live child processes of `pid` (/proc; empty elsewhere)."""
+    out = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return out
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
+            out.append(int(entry))
+    return out
+
+
+def signal_pids(pids, sig) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
+
+
+class Forwarder:
+    """SIGTERM/SIGINT handler of a launcher: forwards each one to the ranks `find_ranks()` returns; the first one
+    arms a timer that kills the ranks (and `on_escalate`) when they have not ended after the grace period."""
+
+    def __init__(self, find_ranks, label: str = "launch.sh"):
+        self.find_ranks = find_ranks
+        self.label = label
+        self.signum = None
+        self.count = 0
+        self.escalated = False
+        self._timer = None
+
+    def install(self) -> None:
+        for s in STOP_SIGNALS:
+            signal.signal(s, self.handle)
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else ""
+
+    def handle(self, signum, frame) -> None:
+        self.count += 1
+        if self.signum is None:
+            self.signum = signum
+            self._timer = threading.Timer(stop_grace_s(), self.escalate)
+            self._timer.daemon = True
+            self._timer.start()
+        signal_pids(self.find_ranks(), signum)
+
+    def escalate(self) -> None:
+        self.escalated = True
+        print(f"{self.label}: the ranks did not stop within {stop_grace_s():.0f} s of {self.name}; killing them "
+              f"(set TESSERA_STOP_GRACE_S for longer saves)", file=sys.stderr, flush=True)
+        signal_pids(self.find_ranks(), signal.SIGKILL)
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+
+def _with_default_signals(argv):
+    if any(a.split("=")[0] in ("--signals-to-handle", "--signals_to_handle") for a in argv):
+        return list(argv)
+    return ["--signals-to-handle", TORCHRUN_SIGNALS] + list(argv)
 
 
 def main(argv) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    from trainer.errors import EXIT_FAULT, EXIT_INTERRUPTED
+
+    args = parse_args(_with_default_signals(argv))
+    os.environ["TESSERA_LAUNCHER_PID"] = str(os.getpid())  # the ranks inherit it: they watch this process
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(int(stop_grace_s())))
+    me = os.getpid()
+    stop = Forwarder(lambda: children(me))  # torchrun's agent runs in this process: the ranks are its children
+    stop.install()
     try:
-        run(parse_args(argv))
+        run(args)
+    except RuntimeError as e:  # the agent's own rendezvous store could not bind --master_port
+        from trainer.parallel import port_in_use_message
+
+        text = str(e).lower()
+        if "eaddrinuse" not in text and "address already in use" not in text:
+            raise
+        print(f"{stop.label}: error: {port_in_use_message(args.master_port, args.master_addr)}", file=sys.stderr)
+        return 2
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
-        code = failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
-        print(f"launch.sh: rank {rank} exited with code {failure.exitcode}; the other ranks were stopped",
+        code = failure.exitcode
+        if stop.escalated:
+            return EXIT_FAULT
+        if stop.signum is not None:
+            if code == EXIT_INTERRUPTED:
+                print(f"{stop.label}: interrupted twice: the ranks stopped at once, without saving",
+                      file=sys.stderr)
+                return EXIT_INTERRUPTED
+            if code is not None and code < 0 and -code in (stop.signum, signal.SIGTERM, signal.SIGINT):
+                print(f"{stop.label}: stopped by {stop.name} before training started (nothing to save)",
+                      file=sys.stderr)
+                return 0
+        if code is not None and code < 0:  # killed by a signal: it could not report anything itself
+            print(f"{stop.label}: error: rank {rank} was killed by {signal.Signals(-code).name}; the other ranks "
+                  f"were stopped (resume with checkpoint.resume=auto)", file=sys.stderr)
+            return EXIT_FAULT
+        print(f"{stop.label}: rank {rank} exited with code {code}; the other ranks were stopped",
               file=sys.stderr)
-        return code
+        return code if code and code > 0 else 1
+    except SignalException as e:  # a signal torchrun handles itself (SIGHUP, SIGQUIT, or a user's list)
+        print(f"{stop.label}: stopped by {signal.Signals(e.sigval).name}; the ranks were asked to stop",
+              file=sys.stderr)
+        return 0 if e.sigval in STOP_SIGNALS else 128 + int(e.sigval)
+    finally:
+        stop.cancel()
     return 0
 
 

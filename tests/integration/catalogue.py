@@ -16,7 +16,13 @@ _MESSAGE = re.compile(r"^(?:\[rank \d+\] )?(?:error|launch\.sh|stopped|warning)[
 def message_of(output: str) -> str:
     """The first line the user is meant to read: `error: ...` (with its rank prefix), or a launcher's line."""
     m = _MESSAGE.search(output)
-    return m.group(0).strip() if m else ""
+    if not m:
+        return ""
+    line = m.group(0).strip()
+    if line.endswith(":"):  # a list follows: its first item says what is wrong
+        rest = output[m.end():].lstrip("\n").splitlines()
+        line += " " + rest[0].strip() if rest else ""
+    return line
 
 
 def check_case(case: str, proc, seconds: float, code: int, expected: str, allow_traceback: bool = False) -> str:

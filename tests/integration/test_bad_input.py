@@ -1,9 +1,19 @@
 """Bad input: one clear message, a non-zero exit, no traceback, no hang (also with several ranks)."""
 from __future__ import annotations
 
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+
 import pytest
 
-from tests.integration.conftest import SMALL, launch
+from tests.integration.catalogue import Timer, check_case
+from tests.integration.conftest import REPO, SMALL, free_port, launch, run_group
 
 QUICK = SMALL + ["train.max_steps=2", "eval.every=0", "eval.at_end=false", "export.hf_at_end=false"]
 
@@ -14,42 +24,58 @@ def _files(tmp_path):
     (tmp_path / "broken.jsonl").write_text('{"text": "a"\n')
     (tmp_path / "bad.parquet").write_text("not a parquet file")
     (tmp_path / "sft_noanswer.jsonl").write_text('{"instruction": "hi", "output": ""}\n')
+    (tmp_path / "ds_stage.json").write_text(json.dumps({"zero_optimization": {"stage": "two"}}))
+    (tmp_path / "ds_offload.json").write_text(json.dumps({"zero_optimization": {"offload_optimizer": "cpu"}}))
     return tmp_path
 
 
 CASES = [
-    # (name, overrides, launcher, nproc, expected text in the message)
-    ("unknown-key", ["train.bogus=1"], "python", 1, "bogus"),
-    ("missing-model-folder", ["model=hf", "model.name_or_path={tmp}/no-such-model"], "torchrun-quiet", 2,
+    # (name, overrides, launcher, nproc, exit code, expected text in the message)
+    ("unknown-key", ["train.bogus=1"], "python", 1, 2, "bogus"),
+    ("missing-model-folder", ["model=hf", "model.name_or_path={tmp}/no-such-model"], "torchrun-quiet", 2, 2,
      "no such folder"),
-    ("empty-data-file", ["data=text", "data.path={tmp}/empty.txt"], "torchrun-quiet", 2, "is empty"),
-    ("missing-data-file", ["data=text", "data.path={tmp}/nothing.txt"], "python", 1, "no such file"),
-    ("unreadable-jsonl", ["data=text", "data.path={tmp}/broken.jsonl"], "python", 1, "cannot read"),
-    ("unreadable-parquet", ["data=text", "data.path={tmp}/bad.parquet"], "python", 1, "cannot read"),
-    ("jsonl-without-field", ["data=text", "data.path={tmp}/nofield.jsonl"], "python", 1,
+    ("empty-data-file", ["data=text", "data.path={tmp}/empty.txt"], "torchrun-quiet", 2, 2, "is empty"),
+    ("missing-data-file", ["data=text", "data.path={tmp}/nothing.txt"], "python", 1, 2, "no such file"),
+    ("unreadable-jsonl", ["data=text", "data.path={tmp}/broken.jsonl"], "python", 1, 2, "cannot read"),
+    ("unreadable-parquet", ["data=text", "data.path={tmp}/bad.parquet"], "python", 1, 2, "cannot read"),
+    ("jsonl-without-field", ["data=text", "data.path={tmp}/nofield.jsonl"], "python", 1, 2,
      "no 'text' field"),
-    ("sft-without-answer", ["data=sft", "data.path={tmp}/sft_noanswer.jsonl"], "python", 1,
+    ("sft-without-answer", ["data=sft", "data.path={tmp}/sft_noanswer.jsonl"], "python", 1, 2,
      "non-empty 'output'"),
-    ("seq-len-over-max", ["data.seq_len=4096", "model.max_position_embeddings=512"], "python", 1,
+    ("seq-len-over-max", ["data.seq_len=4096", "model.max_position_embeddings=512"], "python", 1, 2,
      "data.seq_len=4096 exceeds model.max_position_embeddings=512"),
-    ("single-on-two-ranks", ["strategy=single"], "torchrun-quiet", 2, "strategy=single runs one process"),
-    ("degree-not-used", ["strategy=ddp", "strategy.tp=2"], "torchrun-quiet", 2, "does not use strategy.tp"),
-    ("batch-not-divisible", ["train.global_batch_size=6", "train.micro_batch_size=2"], "torchrun-quiet", 2,
+    ("single-on-two-ranks", ["strategy=single"], "torchrun-quiet", 2, 2, "strategy=single runs one process"),
+    ("degree-not-used", ["strategy=ddp", "strategy.tp=2"], "torchrun-quiet", 2, 2, "does not use strategy.tp"),
+    ("batch-not-divisible", ["train.global_batch_size=6", "train.micro_batch_size=2"], "torchrun-quiet", 2, 2,
      "train.global_batch_size=6 must be divisible"),
+    # DeepSpeed JSON with wrong types: checked before DeepSpeed sees it, naming the JSON key.
+    ("ds-json-stage-not-a-number", ["strategy=zero2", "strategy.deepspeed_config={tmp}/ds_stage.json"], "python", 1,
+     2, "zero_optimization.stage='two' must be one of 0, 1, 2, 3"),
+    ("ds-json-offload-not-an-object", ["strategy=zero2", "strategy.deepspeed_config={tmp}/ds_offload.json"], "python",
+     1, 2, "zero_optimization.offload_optimizer='cpu' must be a JSON object"),
+    # Numbers out of range (torch would raise inside the optimizer; others were silently accepted).
+    ("optim-eps-negative", ["optim.eps=-1"], "python", 1, 2, "optim.eps=-1.0 must be > 0"),
+    ("eval-max-sequences-negative", ["eval.max_sequences=-5"], "python", 1, 2, "eval.max_sequences=-5 must be >= 0"),
+    ("keep-last-negative", ["checkpoint.keep_last=-1"], "python", 1, 2, "checkpoint.keep_last=-1 must be >= 0"),
+    ("weight-decay-negative", ["optim.weight_decay=-5"], "python", 1, 2, "optim.weight_decay=-5.0 must be >= 0"),
+    # Attention kernels this machine can't train with.
+    ("flash-attention-on-cpu", ["model.attn_implementation=flash_attention_2", "train.device=cpu"], "python", 1, 2,
+     "model.attn_implementation=flash_attention_2 needs a CUDA device"),
+    ("flex-attention-on-cpu", ["model.attn_implementation=flex_attention", "train.device=cpu"], "python", 1, 2,
+     "model.attn_implementation=flex_attention can't train on the CPU"),
 ]
 
 
-@pytest.mark.parametrize("name,overrides,launcher,nproc,expected", CASES, ids=[c[0] for c in CASES])
-def test_bad_input_exits_with_one_clear_message(tmp_path, name, overrides, launcher, nproc, expected):
+@pytest.mark.parametrize("name,overrides,launcher,nproc,code,expected", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_exits_with_one_clear_message(tmp_path, name, overrides, launcher, nproc, code, expected):
     files = _files(tmp_path)
     args = QUICK + [o.format(tmp=files) for o in overrides]
     if launcher == "python" and not any(o.startswith("strategy=") for o in overrides):
         args.append("strategy=single")
-    proc = launch(launcher, args, tmp_path / "run", nproc=nproc, timeout=120)  # a hang fails by timeout
+    with Timer() as t:
+        proc = launch(launcher, args, tmp_path / "run", nproc=nproc, timeout=120)  # a hang fails by timeout
+    check_case(name, proc, t.seconds, code, expected)
     out = proc.stdout + proc.stderr
-    assert proc.returncode != 0, out[-3000:]
-    assert expected in out, out[-3000:]
-    assert "Traceback" not in out, out[-3000:]
     if nproc > 1:
         # Rank 0 prints the message; the same config problem is not repeated by every rank.
         assert out.count(expected) == 1 or "[rank 1]" in out, out[-3000:]
@@ -79,3 +105,221 @@ def test_fsdp_config_problems_through_torchrun(tmp_path):
     assert out.count("strategy.offload_optimizer=cpu is a DeepSpeed option") == 1, out[-3000:]
     assert "set strategy.cpu_offload=true and strategy.offload_optimizer=none" in out, out[-3000:]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Folders that can't be written, a damaged tokenization cache, MASTER_PORT in use, a peer that died, a
+# collective that timed out: each one line, its exit code, no traceback, no hang.
+
+@contextmanager
+def _read_only_folder(path):
+    """A read-only folder: a read-only tmpfs where we may mount (root), else a chmod 0555 folder (non-root)."""
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        try:
+            yield path
+        finally:
+            path.chmod(0o755)
+        return
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)], capture_output=True).returncode:
+        pytest.skip("running as root without permission to mount a read-only tmpfs: no read-only folder to test")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], capture_output=True)
+
+
+def test_read_only_run_dir(tmp_path):
+    with _read_only_folder(tmp_path / "ro") as ro, Timer() as t:
+        proc = launch("python", QUICK + ["strategy=single"], ro / "run", timeout=120)
+    check_case("read-only-run-dir", proc, t.seconds, 2, f"hydra.run.dir={ro / 'run'}")
+    assert "read-only file system" in proc.stderr or "not writable" in proc.stderr, proc.stderr
+
+
+def test_read_only_cache_dir(tmp_path):
+    with _read_only_folder(tmp_path / "ro") as ro, Timer() as t:
+        proc = launch("python", QUICK + ["strategy=single", f"data.cache_dir={ro}"], tmp_path / "run", timeout=120)
+    check_case("read-only-cache-dir", proc, t.seconds, 2, f"data.cache_dir={ro}")
+    with _read_only_folder(tmp_path / "ro2") as ro, Timer() as t:  # the default cache folder, from TESSERA_CACHE
+        proc = launch("python", QUICK + ["strategy=single"], tmp_path / "run2", timeout=120,
+                      env={"TESSERA_CACHE": str(ro)})
+    check_case("read-only-TESSERA_CACHE", proc, t.seconds, 2, "TESSERA_CACHE")
+
+
+def test_read_only_export_folder(tmp_path):
+    with _read_only_folder(tmp_path / "ro") as ro, Timer() as t:
+        proc = run_group([sys.executable, "-m", "trainer.export", str(tmp_path / "no-checkpoint"), str(ro / "out")],
+                         timeout=120)
+    check_case("read-only-export-folder", proc, t.seconds, 2, f"the export folder {ro / 'out'}")
+
+
+def test_truncated_cache_entry_is_rebuilt(tmp_path):
+    cache = tmp_path / "cache"
+    args = QUICK + ["strategy=single", "train.max_steps=1", "checkpoint.at_end=false", f"data.cache_dir={cache}"]
+    first = launch("python", args, tmp_path / "run1", timeout=120)
+    assert first.returncode == 0, first.stderr[-3000:]
+    tokens = next(cache.glob("*/tokens.bin"))
+    with open(tokens, "r+b") as fh:  # an entry cut short (disk full, a killed copy, ...)
+        fh.truncate(tokens.stat().st_size // 2)
+    with Timer() as t:
+        proc = launch("python", args, tmp_path / "run2", timeout=120)
+    check_case("truncated-cache-entry", proc, t.seconds, 0, f"tokenization cache entry {tokens.parent} is damaged")
+    assert "tokens.bin has" in proc.stdout and "rebuilding it" in proc.stdout, proc.stdout[-2000:]
+    meta = json.loads((tokens.parent / "meta.json").read_text())
+    assert meta["files"]["tokens.bin"] == tokens.stat().st_size
+
+
+@contextmanager
+def _busy_port():
+    with socket.socket() as s:  # another program listening on the port (on every address, as a store would)
+        s.bind(("0.0.0.0", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def test_master_port_in_use(tmp_path):
+    with _busy_port() as port:
+        # A plain one-process run needs no rendezvous: an exported MASTER_ADDR/MASTER_PORT is not used.
+        with Timer() as t:
+            proc = launch("python", QUICK + ["strategy=ddp", "checkpoint.at_end=false"], tmp_path / "run1",
+                          timeout=120, env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        check_case("MASTER_PORT-in-use-one-process", proc, t.seconds, 0, "step 2")
+        # Rank 0 of a 2-rank job started by a launcher that only sets the environment (deepspeed, srun, ...).
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0",
+                   WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        with Timer() as t:
+            proc = run_group([sys.executable, str(REPO / "trainer" / "main.py")] + QUICK +
+                             ["strategy=ddp", f"hydra.run.dir={tmp_path / 'run2'}"], env=env, timeout=120)
+        check_case("MASTER_PORT-in-use-rank0", proc, t.seconds, 2, f"MASTER_PORT={port} is already in use")
+
+
+def test_master_port_in_use_torchrun(tmp_path):
+    with _busy_port() as port, Timer() as t:
+        proc = run_group([sys.executable, "-m", "trainer.torchrun", "--nproc_per_node=2", f"--master_port={port}",
+                          str(REPO / "trainer" / "main.py")] + QUICK + [f"hydra.run.dir={tmp_path / 'run'}"],
+                         env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=120)
+    check_case("MASTER_PORT-in-use-torchrun", proc, t.seconds, 2, f"MASTER_PORT={port} is already in use")
+
+
+LONG = SMALL + ["strategy=ddp", "train.max_steps=100000", "train.log_every=1", "eval.every=0", "eval.at_end=false",
+                "export.hf_at_end=false", "checkpoint.at_end=false", "train.collective_timeout_s=10"]
+
+
+def _rank_pid(launcher_pid: int, rank: int, deadline: float) -> int:
+    """The pid of `rank` among the launcher's children (its environment says RANK=<rank>)."""
+    while time.time() < deadline:
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{entry}/environ", "rb") as fh:
+                    environ = fh.read().split(b"\0")
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == launcher_pid and f"RANK={rank}".encode() in environ:
+                return int(entry)
+        time.sleep(0.2)
+    raise AssertionError(f"rank {rank} not found")
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "X"
+
+
+class _Reader:
+    """Reads a process's combined output in a thread (a full pipe would block the process)."""
+
+    def __init__(self, proc):
+        import threading
+
+        self.proc, self.lines = proc, []
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        for line in iter(self.proc.stdout.readline, ""):
+            self.lines.append(line)
+
+    def wait_for(self, prefix: str, timeout: float) -> None:
+        deadline = time.time() + timeout
+        while not any(line.startswith(prefix) for line in list(self.lines)):
+            if time.time() > deadline or self.proc.poll() is not None:
+                raise AssertionError(f"no {prefix!r} line within {timeout}s\n{''.join(self.lines)[-3000:]}")
+            time.sleep(0.2)
+
+    def finish(self, timeout: float):
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            raise AssertionError(f"no exit within {timeout}s (a hang?)\n{''.join(self.lines)[-3000:]}")
+        self.thread.join(10)
+        return subprocess.CompletedProcess(self.proc.args, self.proc.returncode, "".join(self.lines), "")
+
+
+def test_peer_rank_killed(tmp_path):
+    """kill -9 rank 1 mid-training. Both ranks are started the way deepspeed's launcher or srun start them (the
+    environment only, no torchrun agent that would SIGTERM the survivor first): rank 0 ends within
+    train.collective_timeout_s with exit code 4 and one line saying rank 1 is gone."""
+    port = free_port()
+    procs = []
+    for rank in (0, 1):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                   WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        procs.append(subprocess.Popen([sys.executable, str(REPO / "trainer" / "main.py")] + LONG +
+                                      [f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO, env=env, text=True,
+                                      stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
+                                      stderr=subprocess.STDOUT, start_new_session=True))
+    try:
+        reader = _Reader(procs[0])
+        reader.wait_for("step 3 ", 180)
+        procs[1].kill()
+        with Timer() as t:
+            proc = reader.finish(60)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        procs[1].wait()
+    check_case("peer-rank-killed", proc, t.seconds, 4, "[rank 0] error: rank 1 is gone")
+    assert t.seconds < 10 + 15, t.seconds  # within train.collective_timeout_s (plus teardown)
+
+
+def test_collective_timeout(tmp_path):
+    """SIGSTOP rank 1 of a 2-rank torchrun job: rank 0's next collective times out after
+    train.collective_timeout_s=10; it exits 4 naming the key, the launcher passes the code on."""
+    cmd = [sys.executable, "-m", "trainer.torchrun", "--nproc_per_node=2", f"--master_port={free_port()}",
+           str(REPO / "trainer" / "main.py")] + LONG + [f"hydra.run.dir={tmp_path / 'run'}"]
+    launcher = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"),
+                                text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    stopped = None
+    try:
+        reader = _Reader(launcher)
+        reader.wait_for("step 3 ", 180)
+        first = _rank_pid(launcher.pid, 0, time.time() + 10)
+        stopped = _rank_pid(launcher.pid, 1, time.time() + 10)
+        os.kill(stopped, signal.SIGSTOP)
+        with Timer() as t:
+            deadline = time.time() + 60
+            while os.path.exists(f"/proc/{first}") and _state(first) != "Z" and time.time() < deadline:
+                time.sleep(0.2)  # rank 0 waits train.collective_timeout_s, then exits
+            os.kill(stopped, signal.SIGKILL)  # a stopped rank would ignore the launcher's SIGTERM
+            proc = reader.finish(60)
+    finally:
+        if stopped is not None:
+            try:
+                os.kill(stopped, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    check_case("collective-timeout", proc, t.seconds, 4, "train.collective_timeout_s=10")
+    assert "[rank 0] error: a collective timed out" in proc.stdout, proc.stdout[-3000:]

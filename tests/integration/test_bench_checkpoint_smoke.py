@@ -30,4 +30,6 @@ def test_bench_checkpoint_quick(tmp_path):
     b = r["blocking"]
     assert 0 <= b["async_blocking_s"] <= b["sync_blocking_s"] * 1.5 + 0.05, b
     assert "blocking async / sync" in proc.stdout
+    assert 0 < r["checksum_s"] < r["save_s"], r  # the checksums are part of the save
+    assert "SHA-256 of the saved files" in proc.stdout
     assert [p.name for p in tmp_path.iterdir()] == ["c.json"]  # the work folder was removed

@@ -310,3 +310,183 @@ def test_parallel_dims_dp_coordinates():
     assert [dims.dp_coordinates(r)[0] for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
     dims = ParallelDims.from_config(_degrees(dp_replicate=2, tp=2, pp=2), 8)
     assert [dims.dp_coordinates(r)[0] for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Range checks: every numeric key of the schema has one, and all of them are reported together.
+
+RANGE_CASES = [
+    # (override, expected message fragment)
+    ("model.hidden_size=0", "model.hidden_size=0 must be > 0"),
+    ("model.num_layers=-1", "model.num_layers=-1 must be > 0"),
+    ("model.num_heads=0", "model.num_heads=0 must be > 0"),
+    ("model.num_kv_heads=0", "model.num_kv_heads=0 must be > 0"),
+    ("model.intermediate_size=-64", "model.intermediate_size=-64 must be > 0"),
+    ("model.max_position_embeddings=0", "model.max_position_embeddings=0 must be > 0"),
+    ("model.rope_theta=-1", "model.rope_theta=-1.0 must be > 0"),
+    ("model.initializer_range=0", "model.initializer_range=0.0 must be > 0"),
+    ("data.seq_len=0", "data.seq_len=0 must be > 0"),
+    ("data.val_fraction=1.0", "data.val_fraction=1.0 must be in [0, 1)"),
+    ("data.val_fraction=-0.1", "data.val_fraction=-0.1 must be in [0, 1)"),
+    ("data.split_seed=-1", "data.split_seed=-1 must be >= 0"),
+    ("data.embedded_documents=0", "data.embedded_documents=0 must be > 0"),
+    ("data.max_records=0", "data.max_records=0 must be > 0"),
+    ("strategy.pp_stages_per_rank=0", "strategy.pp_stages_per_rank=0 must be > 0"),
+    ("strategy.zero_stage=4", "strategy.zero_stage=4 must be one of 0, 1, 2, 3"),
+    ("strategy.reduce_bucket_size=0", "strategy.reduce_bucket_size=0.0 must be > 0"),
+    ("strategy.allgather_bucket_size=-1", "strategy.allgather_bucket_size=-1.0 must be > 0"),
+    ("strategy.stage3_prefetch_bucket_size=-1", "strategy.stage3_prefetch_bucket_size=-1.0 must be >= 0"),
+    ("strategy.stage3_param_persistence_threshold=-1", "strategy.stage3_param_persistence_threshold=-1.0 must be >= 0"),
+    ("strategy.bucket_cap_mb=0", "strategy.bucket_cap_mb=0.0 must be > 0"),
+    ("optim.lr=0", "optim.lr=0.0 must be > 0"),
+    ("optim.lr=nan", "optim.lr=nan must be a finite number"),
+    ("optim.lr=inf", "optim.lr=inf must be a finite number"),
+    ("optim.weight_decay=-5", "optim.weight_decay=-5.0 must be >= 0"),
+    ("optim.eps=-1", "optim.eps=-1.0 must be > 0"),
+    ("optim.momentum=1.0", "optim.momentum=1.0 must be in [0, 1)"),
+    ("optim.betas=[0.9,nan]", "optim.betas=[0.9, nan] must be two numbers in [0, 1)"),
+    ("scheduler.warmup_steps=-1", "scheduler.warmup_steps=-1 must be >= 0"),
+    ("scheduler.min_lr_ratio=1.5", "scheduler.min_lr_ratio=1.5 must be in [0, 1]"),
+    ("precision.init_scale=0", "precision.init_scale=0.0 must be > 0"),
+    ("precision.growth_interval=0", "precision.growth_interval=0 must be > 0"),
+    ("precision.growth_factor=1.0", "precision.growth_factor=1.0 must be > 1"),
+    ("precision.backoff_factor=1.0", "precision.backoff_factor=1.0 must be in (0, 1)"),
+    ("train.max_steps=0", "train.max_steps=0 must be > 0"),
+    ("train.global_batch_size=-8", "train.global_batch_size=-8 must be > 0"),
+    ("train.micro_batch_size=0", "train.micro_batch_size=0 must be > 0"),
+    ("train.seed=-1", "train.seed=-1 must be >= 0"),
+    ("train.log_every=0", "train.log_every=0 must be > 0"),
+    ("train.grad_clip=-1", "train.grad_clip=-1.0 must be >= 0 (0 disables clipping)"),
+    ("train.collective_timeout_s=0", "train.collective_timeout_s=0.0 must be > 0"),
+    ("train.activation_checkpointing_every=0", "train.activation_checkpointing_every=0 must be > 0"),
+    ("train.loss_spike_factor=0.5", "train.loss_spike_factor=0.5 must be 0 (off) or > 1"),
+    ("eval.every=-1", "eval.every=-1 must be >= 0"),
+    ("eval.max_sequences=-5", "eval.max_sequences=-5 must be >= 0 (0 = all)"),
+    ("checkpoint.every=-1", "checkpoint.every=-1 must be >= 0"),
+    ("checkpoint.keep_last=-1", "checkpoint.keep_last=-1 must be >= 0 (0 keeps every checkpoint)"),
+    ("logging.peak_tflops=0", "logging.peak_tflops=0.0 must be > 0"),
+]
+
+
+@pytest.mark.parametrize("override,expected", RANGE_CASES, ids=[c[0] for c in RANGE_CASES])
+def test_range_checks(compose, override, expected):
+    problems = C.validate(compose([override]), 2)
+    hits = [p for p in problems if expected in p]
+    assert len(hits) == 1, (expected, problems)
+
+
+def _numeric_keys():
+    """Every int / float (or Optional / List of them) field of the schema, as section.key, by walking the
+    dataclasses: a new numeric key without a range check fails test_every_numeric_key_has_a_range_check."""
+    import typing
+
+    keys = []
+    for section in fields(C.TesseraConfig):
+        for f in fields(section.default_factory):
+            tp = f.type if not isinstance(f.type, str) else eval(f.type, vars(C), {"List": typing.List,
+                                                                                   "Optional": typing.Optional})
+            inner = {a for a in typing.get_args(tp) if a is not type(None)} or {tp}
+            while any(typing.get_origin(a) in (list, typing.List) for a in inner):
+                inner = {b for a in inner for b in (typing.get_args(a) or (a,))}
+            if inner & {int, float}:
+                keys.append(f"{section.name}.{f.name}")
+    return keys
+
+
+def test_every_numeric_key_has_a_range_check():
+    keys = _numeric_keys()
+    assert "optim.eps" in keys and "strategy.pp_split_points" in keys and "logging.peak_tflops" in keys
+    assert "train.compile" not in keys  # bools are not numbers here
+    missing = [k for k in keys if k not in C.RANGES and k not in C.RANGE_CHECKED_ELSEWHERE]
+    assert not missing, f"numeric keys without a range check in trainer/config.py RANGES: {missing}"
+    stale = [k for k in list(C.RANGES) + list(C.RANGE_CHECKED_ELSEWHERE) if k not in keys]
+    assert not stale, stale
+    covered = {o.split("=")[0] for o, _ in RANGE_CASES}
+    untested = [k for k in C.RANGES if k not in covered]
+    assert not untested, f"keys of RANGES without a row in RANGE_CASES: {untested}"
+
+
+def test_defaults_pass_the_range_checks(compose):
+    assert C.range_problems(compose([])) == []
+    for preset in ("strategy=zero3_offload", "strategy=pp", "precision=fp16", "optim=sgd", "model=hf"):
+        assert C.range_problems(compose([preset])) == [], preset
+
+
+def test_degrees_checked_elsewhere_reject_nonsense():
+    for key in ("dp_replicate", "dp_shard", "tp", "pp"):
+        problems = ParallelDims.problems(_degrees(**{key: 0}), 1)
+        assert any(f"strategy.{key}=0 must be a positive degree" in p for p in problems), problems
+
+
+def test_all_range_problems_reported_together(compose):
+    cfg = compose(["eval.max_sequences=-5", "checkpoint.keep_last=-1", "optim.weight_decay=-5", "optim.eps=-1",
+                   "train.loss_spike_factor=-2"])
+    problems = _check_problems(cfg, 1)
+    for key in ("eval.max_sequences=-5", "checkpoint.keep_last=-1", "optim.weight_decay=-5.0", "optim.eps=-1.0",
+                "train.loss_spike_factor=-2.0"):
+        _only_one(problems, key)
+    assert len(problems) == 5, problems
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Runtime faults translated at the boundary (trainer/cli.py): one line, exit code 4; anything else re-raised.
+
+def _exit_of(exc, env=None, monkeypatch=None):
+    from trainer.cli import user_errors
+
+    for k, v in (env or {}).items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(SystemExit) as info:
+        with user_errors():
+            raise exc
+    return info.value.code
+
+
+@pytest.mark.parametrize("exc,needles", [
+    (RuntimeError("[/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:28033: Connection reset by peer. This "
+                  "is typically caused by a remote worker hanging"), ["rank 1 is gone", "Connection reset by peer"]),
+    (RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms for recv operation to "
+                  "complete"), ["a collective timed out", "train.collective_timeout_s", "rank 1"]),
+    (OSError(28, "No space left on device", "/runs/x/metrics.jsonl"),
+     ["the disk is full", "/runs/x/metrics.jsonl", "hydra.run.dir"]),
+    (OSError(30, "Read-only file system", "/runs/x/checkpoints"), ["read-only", "/runs/x/checkpoints"]),
+], ids=["peer-reset", "gloo-timeout", "enospc", "erofs"])
+def test_runtime_faults_become_one_line_and_exit_4(capsys, monkeypatch, exc, needles):
+    assert _exit_of(exc, {"RANK": "0", "WORLD_SIZE": "2"}, monkeypatch) == 4
+    err = capsys.readouterr().err
+    assert err.startswith("[rank 0] error: ") and err.count("\n") == 1, err
+    for n in needles:
+        assert n in err, (n, err)
+    assert "Traceback" not in err
+
+
+def test_debug_keeps_the_traceback_of_a_translated_fault(capsys, monkeypatch):
+    assert _exit_of(OSError(28, "No space left on device", "/x"), {"TESSERA_DEBUG": "1"}, monkeypatch) == 4
+    assert "Traceback" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("shape mismatch in matmul"), KeyError("x"),
+                                 OSError(2, "No such file or directory", "/x")])
+def test_unknown_errors_are_not_swallowed(exc):
+    from trainer.cli import user_errors
+
+    with pytest.raises(type(exc)):
+        with user_errors():
+            raise exc
+
+
+def test_truncated_cache_entry_is_detected_and_rebuilt(tmp_path):
+    import numpy as np
+
+    from trainer.data.store import build_or_load, entry_damage
+
+    notes = []
+    docs = [(np.arange(10) % 7, None), (np.arange(5), None)]
+    store = build_or_load(str(tmp_path), {"k": 1}, "text", 300, lambda: iter(docs), log=notes.append)
+    assert entry_damage(store.path) is None and store.meta["files"]["tokens.bin"] == 30
+    with open(f"{store.path}/tokens.bin", "r+b") as fh:
+        fh.truncate(11)
+    assert entry_damage(store.path) == "tokens.bin has 11 bytes, 30 expected"
+    again = build_or_load(str(tmp_path), {"k": 1}, "text", 300, lambda: iter(docs), log=notes.append)
+    assert any("is damaged (tokens.bin has 11 bytes, 30 expected); rebuilding it" in n for n in notes), notes
+    assert list(again.tokens) == list(np.concatenate([d for d, _ in docs]))

@@ -91,10 +91,12 @@ def test_cli(capsys):
     assert P.main(MODEL + ["strategy=fsdp", "plan.world_size=2", "plan.device_memory=1"]) == 0
     out = capsys.readouterr().out
     assert "model states" in out and "device memory 1 GiB: fits" in out and "cheapest first" in out
-    assert P.main(MODEL + ["strategy=tp", "strategy.tp=3", "plan.world_size=3"]) == 1
+    assert P.main(MODEL + ["strategy=tp", "strategy.tp=3", "plan.world_size=3"]) == 2  # config problems: 2
     assert "checks: FAIL" in capsys.readouterr().out
     assert P.main(["strategy.bogus_key=1"]) == 2
     assert "error:" in capsys.readouterr().err
+    assert P.main(MODEL + ["strategy=ddp", "plan.world_size=2", "plan.device_memory=0.000001"]) == 1  # no fit
+    assert "does NOT fit" in capsys.readouterr().out
 
 
 def test_layout_refusals_of_a_model_are_reported_before_launch(tmp_path, capsys):
@@ -110,7 +112,7 @@ def test_layout_refusals_of_a_model_are_reported_before_launch(tmp_path, capsys)
     tok.save_pretrained(folder)
     overrides = ["model=hf", f"model.name_or_path={folder}", "data.embedded_documents=50", "data.seq_len=32",
                  "train.micro_batch_size=1", "train.global_batch_size=8"]
-    assert P.main(overrides + ["strategy=tp", "plan.world_size=2"]) == 1
+    assert P.main(overrides + ["strategy=tp", "plan.world_size=2"]) == 2
     out = capsys.readouterr().out
     assert "checks: FAIL" in out and "opt architecture has no tensor-parallel plan" in out
     assert P.main(overrides + ["strategy=pp", "plan.world_size=2"]) == 0  # its pipeline split is derived

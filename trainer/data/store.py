@@ -73,6 +73,30 @@ class TokenStore:
             self.offsets = np.load(os.path.join(path, "offsets.npy"))
 
 
+def entry_damage(path: str):
+    """None for a complete cache entry, else what is wrong with it (a truncated or missing file, an unreadable
+    manifest): checked by size against meta.json on every use, so a damaged entry is never trained on."""
+    try:
+        with open(os.path.join(path, "meta.json")) as fh:
+            meta = json.load(fh)
+        n, itemsize = int(meta["num_tokens"]), np.dtype(meta["dtype"]).itemsize
+        expected = dict(meta.get("files") or {})
+        expected.setdefault("tokens.bin", n * itemsize)
+        if meta.get("kind") == "sft":
+            expected.setdefault("mask.bin", n)
+            expected.setdefault("offsets.npy", None)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"meta.json cannot be read: {e}"
+    for name, size in expected.items():
+        file = os.path.join(path, name)
+        if not os.path.exists(file):
+            return f"{name} is missing"
+        got = os.path.getsize(file)
+        if size is not None and got != size:
+            return f"{name} has {got} bytes, {size} expected"
+    return None
+
+
 def build_or_load(cache_dir: str, key: dict, kind: str, vocab_size: int,
                   produce: Callable[[], Iterable[Tuple[np.ndarray, np.ndarray | None]]],
                   log: Callable[[str], None] = print) -> TokenStore:
@@ -86,7 +110,16 @@ def build_or_load(cache_dir: str, key: dict, kind: str, vocab_size: int,
         raise DataError(f"data.cache_dir={cache_dir!r} cannot be created: {e.strerror}") from None
     with _locked(final + ".lock"):
         if os.path.exists(os.path.join(final, "meta.json")):
-            return TokenStore(final)
+            damage = entry_damage(final)
+            if damage is None:
+                return TokenStore(final)
+            log(f"tokenization cache entry {final} is damaged ({damage}); rebuilding it")
+            try:
+                shutil.rmtree(final)
+            except OSError as e:
+                raise DataError(f"the tokenization cache entry {final} is damaged ({damage}) and cannot be removed "
+                                f"({e.strerror}); delete it, or set data.cache_dir (or TESSERA_CACHE) to a "
+                                f"writable folder") from None
         tmp = f"{final}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
@@ -94,6 +127,7 @@ def build_or_load(cache_dir: str, key: dict, kind: str, vocab_size: int,
             t0 = time.time()
             meta = _write_entry(tmp, kind, vocab_size, produce())
             meta["key"], meta["kind"] = key, kind
+            meta["files"] = {name: os.path.getsize(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))}
             with open(os.path.join(tmp, "meta.json"), "w") as fh:
                 json.dump(meta, fh)
             os.rename(tmp, final)

@@ -55,8 +55,14 @@ class Strategy:
         self.cfg, self.dims, self.device, self.precision = cfg, dims, device, precision
         self.model = None
         self.optimizer = None
+        self.skip_nonfinite = cfg.train.on_nonfinite == "skip"
 
     # ---- checks before any process group starts -------------------------------------------------------
+    @classmethod
+    def skips_nonfinite_steps(cls, cfg) -> bool:
+        """Whether a step with a non-finite gradient can be skipped (train.on_nonfinite=skip)."""
+        return True
+
     @classmethod
     def config_problems(cls, cfg, world_size: int) -> List[str]:
         problems = []
@@ -75,6 +81,10 @@ class Strategy:
         from trainer.optim import implementation_problems
 
         problems += implementation_problems(cfg, cls.uses_dtensor_parameters)
+        if cfg.train.on_nonfinite == "skip" and not cls.skips_nonfinite_steps(cfg):
+            problems.append(f"train.on_nonfinite=skip is not available with strategy={cfg.strategy.name} and "
+                            f"precision={cfg.precision.name} (the step is taken inside the engine); use "
+                            f"train.on_nonfinite=stop, or precision=fp16, whose loss scaler skips such steps")
         if cfg.train.compile:
             if not cls.supports_compile:
                 problems.append(f"train.compile=true is not available with strategy={cfg.strategy.name}; set "
@@ -161,6 +171,11 @@ class Strategy:
         """Unscale, measure and clip the gradient, step (unless fp16 overflowed), zero. -> (norm, skipped)."""
         self.precision.unscale_(self.optimizer)
         norm = self.grad_norm_and_clip(max_norm)
+        if self.skip_nonfinite and self.precision.scaler is None and not bool(torch.isfinite(norm)):
+            # train.on_nonfinite=skip (fp16 leaves it to the loss scaler): no update from this batch. Reading the
+            # norm waits for the step's gradients: the cost of this mode.
+            self.optimizer.zero_grad(set_to_none=True)
+            return norm, True
         skipped = self.precision.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         return norm, skipped
@@ -392,11 +407,14 @@ def write_hf_folder_streaming(config, tokenizer, out_dir: str, named_tensors, wr
             weight_map.update({k: name for k in shard})
         shard, shard_bytes = {}, 0
 
-    cast_to, written = _export_torch_dtype(dtype), None
+    cast_to, written, non_finite = _export_torch_dtype(dtype), None, []
     for name, tensor in named_tensors:
-        if not writer:
-            continue
+        if not writer or non_finite:
+            continue  # every rank still iterates: the iteration may be collective
         floating = tensor.is_floating_point()
+        if floating and not bool(torch.isfinite(tensor).all()):
+            non_finite.append(name)
+            continue
         target = cast_to if floating and cast_to is not None else tensor.dtype
         if floating and written is None:
             written = target
@@ -408,6 +426,9 @@ def write_hf_folder_streaming(config, tokenizer, out_dir: str, named_tensors, wr
         total += nbytes
     if not writer:
         return
+    if non_finite:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise_non_finite(non_finite)
     flush()
     if len(files) == 1:
         os.rename(os.path.join(tmp, files[0]), os.path.join(tmp, "model.safetensors"))
@@ -425,6 +446,13 @@ def write_hf_folder_streaming(config, tokenizer, out_dir: str, named_tensors, wr
     _replace_folder(tmp, out_dir)
 
 
+def raise_non_finite(names) -> None:
+    from trainer.errors import DivergenceError
+
+    raise DivergenceError(f"the model holds non-finite weights ({len(names)} tensor(s), e.g. {names[0]}): not "
+                          f"exported; export an earlier checkpoint")
+
+
 def write_hf_folder(model, tokenizer, out_dir: str, state_dict=None, dtype=None) -> None:
     """`model` (or `state_dict`) through save_pretrained. `dtype` (fp32 / bf16 / fp16 or a torch dtype; None: as
     they are): floating-point tensors are written in it (tied weights stay one tensor), and config.json's `dtype`
@@ -432,6 +460,11 @@ def write_hf_folder(model, tokenizer, out_dir: str, state_dict=None, dtype=None)
     out_dir = os.path.abspath(out_dir)
     tmp = out_dir + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
+    named = model.state_dict() if state_dict is None else state_dict
+    non_finite = [n for n, v in named.items()
+                  if isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if non_finite:
+        raise_non_finite(non_finite)
     cast_to = _export_torch_dtype(dtype)
     if cast_to is not None:
         cast, same = {}, {}

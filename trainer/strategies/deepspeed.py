@@ -82,16 +82,34 @@ def build_ds_config(cfg, dp_size: int) -> tuple:
     for name in ("fp16", "bf16"):
         take(f"{name}.enabled", precision == name, f"precision={precision} ({name}.enabled)",
              equal=lambda a, b: bool(a) == b)
-    if "amp" in user and user["amp"].get("enabled") and not _is_auto(user["amp"].get("enabled")):
+    # Wrong JSON types are problems naming the JSON key (DeepSpeed itself would fail later with a traceback).
+    for section in ("zero_optimization", "amp", "fp16", "bf16", "optimizer", "scheduler"):
+        if section in user and not isinstance(user[section], dict):
+            problems.append(f"{src}: {section}={user[section]!r} must be a JSON object ({{...}})")
+            user = {k: v for k, v in user.items() if k != section}
+    if isinstance(user.get("optimizer"), dict) and not isinstance(user["optimizer"].get("params", {}), dict):
+        problems.append(f"{src}: optimizer.params={user['optimizer']['params']!r} must be a JSON object ({{...}})")
+    amp_on = user.get("amp", {}).get("enabled")
+    if amp_on and not _is_auto(amp_on):
         problems.append(f"{src}: amp.enabled is not supported; use precision=bf16 or precision=fp16")
-    zero_user = user.get("zero_optimization", {}) if isinstance(user.get("zero_optimization", {}), dict) else {}
-    if "stage" in zero_user and not _is_auto(zero_user["stage"]) and int(zero_user["stage"]) != stage:
-        problems.append(f"{src}: zero_optimization.stage={zero_user['stage']} contradicts strategy={s.name} "
-                        f"(stage {stage}); pick the strategy that matches the JSON")
+    zero_user = dict(user.get("zero_optimization", {}))
+    if "stage" in zero_user and not _is_auto(zero_user["stage"]):
+        theirs = zero_user["stage"]
+        if isinstance(theirs, bool) or not isinstance(theirs, int) or theirs not in (0, 1, 2, 3):
+            problems.append(f"{src}: zero_optimization.stage={theirs!r} must be one of 0, 1, 2, 3 (a number, or "
+                            f"\"auto\"); strategy={s.name} uses stage {stage}")
+        elif theirs != stage:
+            problems.append(f"{src}: zero_optimization.stage={theirs} contradicts strategy={s.name} "
+                            f"(stage {stage}); pick the strategy that matches the JSON")
     for legacy, key in (("cpu_offload", "offload_optimizer"), ("cpu_offload_params", "offload_param")):
         if zero_user.get(legacy) is True and key not in zero_user:  # legacy spellings DeepSpeed still reads
             zero_user[key] = {"device": "cpu"}
         zero_user.pop(legacy, None)
+    for key in ("offload_optimizer", "offload_param"):
+        if key in zero_user and not isinstance(zero_user[key], dict):
+            problems.append(f"{src}: zero_optimization.{key}={zero_user[key]!r} must be a JSON object such as "
+                            f"{{\"device\": \"cpu\"}}")
+            zero_user.pop(key)
     if "offload_optimizer" in zero_user and offload_opt == "none":
         offload_opt = zero_user["offload_optimizer"].get("device", "none")
     if "offload_param" in zero_user and offload_param == "none":
@@ -127,6 +145,7 @@ def build_ds_config(cfg, dp_size: int) -> tuple:
     for section, mapping in (("optimizer", {"lr": cfg.optim.lr, "weight_decay": cfg.optim.weight_decay,
                                             "betas": list(cfg.optim.betas), "eps": cfg.optim.eps}),):
         params = user.get(section, {}).get("params", {}) if isinstance(user.get(section), dict) else {}
+        params = params if isinstance(params, dict) else {}
         for k, ours in mapping.items():
             if k in params and not _is_auto(params[k]) and params[k] != ours:
                 problems.append(f"{src}: {section}.params.{k}={params[k]!r} contradicts optim.{k}={ours!r}; Tessera's "
@@ -154,7 +173,28 @@ def build_ds_config(cfg, dp_size: int) -> tuple:
     for key in ("activation_checkpointing", "flops_profiler", "comms_logger", "aio", "communication_data_type"):
         if key in user:
             ds[key] = user[key]
+    if user and "zero_optimization" in user:
+        problems += _zero_section_problems(zero, src)
     return ds, problems
+
+
+def _zero_section_problems(zero: dict, src: str) -> List[str]:
+    """The merged zero_optimization section checked by DeepSpeed's own schema (types, allowed values, unknown
+    keys), so a wrong value is one problem naming the JSON key instead of DeepSpeed's traceback at start-up."""
+    import pydantic
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    try:
+        DeepSpeedZeroConfig(**zero)
+    except pydantic.ValidationError as e:
+        out = []
+        for err in e.errors():
+            where = ".".join(str(p) for p in ("zero_optimization",) + tuple(err.get("loc", ())))
+            out.append(f"{src}: {where}={err.get('input')!r}: {err.get('msg')}")
+        return out
+    except (TypeError, ValueError) as e:
+        return [f"{src}: zero_optimization is not valid for DeepSpeed: {e}"]
+    return []
 
 
 def unlink_shared_memory_buffer() -> None:
@@ -188,6 +228,11 @@ class DeepSpeedStrategy(Strategy):
 
         # DeepSpeed runs bf16/fp16 itself (half weights, fp32 master copy, its loss scaler): no autocast on top.
         super().__init__(cfg, dims, device, Precision(SimpleNamespace(precision=SimpleNamespace(name="fp32")), device))
+        __import__("trainer.ds_ops").ds_ops.ensure_ready(cfg)  # stale build lock: exit 2; a build says so
+
+    @classmethod
+    def skips_nonfinite_steps(cls, cfg) -> bool:
+        return cfg.precision.name == "fp16"  # the engine steps itself; only its fp16 overflow check skips a step
 
     @classmethod
     def config_problems(cls, cfg, world_size: int) -> List[str]:
@@ -295,6 +340,7 @@ class DeepSpeedStrategy(Strategy):
 
     def load_checkpoint_from(self, folder: str, group, weights_only: bool, param_groups) -> None:
         from trainer.checkpoint import CheckpointError, read_meta
+        from trainer.safe_load import checked_deepspeed_folder
 
         saved_dp = read_meta(folder).get("dp_size", self.dp_size)
         load_dir = folder
@@ -306,10 +352,14 @@ class DeepSpeedStrategy(Strategy):
         groups_before = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")}
                          for g in self.optimizer.param_groups]
         try:
-            load_path, _ = self.engine.load_checkpoint(load_dir, tag="zero", load_module_strict=True,
-                                                       load_optimizer_states=not weights_only,
-                                                       load_lr_scheduler_states=False,
-                                                       load_module_only=weights_only)
+            # DeepSpeed unpickles its files with weights_only=False: every rank first checks every file it could
+            # read (a refusal stops all ranks alike, before any state changed), and DeepSpeed's reads are made
+            # weights-only while it loads (trainer/safe_load.py).
+            with checked_deepspeed_folder(load_dir):
+                load_path, _ = self.engine.load_checkpoint(load_dir, tag="zero", load_module_strict=True,
+                                                           load_optimizer_states=not weights_only,
+                                                           load_lr_scheduler_states=False,
+                                                           load_module_only=weights_only)
         finally:
             self.engine._config.load_universal_checkpoint = False
         if load_dir != folder:
@@ -335,6 +385,7 @@ class DeepSpeedStrategy(Strategy):
         from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
         from trainer.data.store import _locked
+        from trainer.safe_load import checked_deepspeed_folder
 
         out = os.path.join(self.run_dir, "checkpoints", f".universal-{os.path.basename(folder.rstrip('/'))}")
         done = os.path.join(out, "CONVERTED")
@@ -347,7 +398,8 @@ class DeepSpeedStrategy(Strategy):
                                           output_folder=os.path.join(out, "zero"), num_extract_workers=1,
                                           num_merge_workers=1, keep_temp_folder=False, strict=True,
                                           inject_missing_state=False)
-                with contextlib.redirect_stdout(io.StringIO()):  # its progress chatter
+                # The conversion unpickles the checkpoint's files: checked first, then read weights-only.
+                with checked_deepspeed_folder(folder), contextlib.redirect_stdout(io.StringIO()):  # its chatter
                     ds_to_universal(args)
                 with open(done, "w") as fh:
                     fh.write("ok\n")
