@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from trainer.errors import TesseraError
+from trainer.errors import FaultError, TesseraError
 
 COMPLETE = "COMPLETE.json"
 KEEP = "KEEP.json"  # a pinned checkpoint (e.g. the last finite one before divergence): never rotated away
@@ -49,6 +49,10 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 
 class CheckpointError(TesseraError):
     pass
+
+
+class CheckpointSaveError(FaultError):
+    """A save that failed while running (disk full, a peer gone): exit code 4; earlier checkpoints are intact."""
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -364,7 +368,7 @@ class CheckpointManager:
                 self._barrier()  # every rank's part is on disk before rank 0 seals the folder
                 self.stats.append({"step": step, "blocking_s": None})
                 self._finalize(tmp, final, step, t0)
-        except (CheckpointError, KeyboardInterrupt, SystemExit):
+        except (TesseraError, KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # noqa: BLE001 - disk full, a peer's failure (DCP's CheckpointException)
             if os.environ.get("TESSERA_DEBUG"):
@@ -372,7 +376,7 @@ class CheckpointManager:
 
                 traceback.print_exc()
             self._abandon(tmp)
-            raise CheckpointError(f"saving the checkpoint of step {step} failed: {_short(e)}; the earlier "
+            raise CheckpointSaveError(f"saving the checkpoint of step {step} failed: {_short(e)}; the earlier "
                                   f"checkpoints are intact") from None
         self.last_saved_step = step
 
@@ -388,7 +392,7 @@ class CheckpointManager:
             raise
         except BaseException as e:  # noqa: BLE001
             self._abandon(tmp)
-            raise CheckpointError(f"the background save of step {step} failed: {_short(e)}; the earlier "
+            raise CheckpointSaveError(f"the background save of step {step} failed: {_short(e)}; the earlier "
                                   f"checkpoints are intact") from None
         self._finalize(tmp, final, step, t0, result if isinstance(result, _Checksums) else None)
 

@@ -114,6 +114,45 @@ def run_dir_preflight(argv) -> None:
                 sys.exit(2)
 
 
+NOISE = ("object_type", "reference_type", "full_key", "provider=", "To append to your config")
+
+
+def check_overrides(argv) -> None:
+    """Compose the config from the command line as Hydra will (an unknown key, a wrong type, a missing group
+    option): a problem ends here with one message and exit code 2, where Hydra would print its own report and
+    exit 1. Skipped when Hydra flags (--cfg, --help, -m ...) are given: Hydra handles those itself."""
+    overrides = argv[1:]
+    if any(a.startswith("-") for a in overrides):
+        return
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from trainer.config import register_configs
+
+    register_resolvers()
+    register_configs()
+    conf_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+    try:
+        with initialize_config_dir(config_dir=conf_dir, version_base=None):
+            compose(config_name="config", overrides=[o for o in overrides if not o.startswith("hydra.")])
+    except (HydraException, OmegaConfBaseException, ValueError) as e:
+        lines = []
+        for x in _chain(e):
+            for line in str(x).splitlines():
+                line = line.strip().rstrip(".")
+                if line.startswith("Config search path"):
+                    break
+                if line and line not in lines and not line.startswith(NOISE) and "$VALUE" not in line \
+                        and line != "None" and not line.startswith("invalid literal"):
+                    lines.append(line)
+        detail = "; ".join(lines).replace(":;", ":")
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: the command line does not compose: {detail} (the keys are in trainer/config.py; "
+                  f"`python trainer/main.py --cfg job` prints the whole config)", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
 @contextmanager
 def user_errors():
     """A TesseraError (bad config, data, model, checkpoint, launch) exits with its code and message only.

@@ -10,10 +10,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script
 
-from trainer.cli import register_resolvers, sanitize_argv, user_errors  # noqa: E402
+from trainer.cli import check_overrides, register_resolvers, sanitize_argv, user_errors  # noqa: E402
 
 sys.argv = sanitize_argv(sys.argv)
 register_resolvers()
+check_overrides(sys.argv)
 
 import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402

@@ -47,6 +47,9 @@ def launch(launcher: str, overrides, run_dir, nproc: int = 1, timeout: float = 3
 def run_group(cmd, env=None, timeout: float = 300):
     """subprocess.run in its own process group: on a timeout every rank the launcher started is killed too
     (a hang then fails the test instead of leaving orphans behind)."""
+    import time
+
+    t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
@@ -55,7 +58,9 @@ def run_group(cmd, env=None, timeout: float = 300):
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         raise AssertionError(f"timed out after {timeout}s (a hang?)\nSTDOUT:\n{out[-3000:]}\nSTDERR:\n{err[-3000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    done.seconds = time.perf_counter() - t0  # for the catalogue of bad input and faults
+    return done
 
 
 def ok(proc) -> None:

@@ -58,6 +58,8 @@ CASES = [
     ("eval-max-sequences-negative", ["eval.max_sequences=-5"], "python", 1, 2, "eval.max_sequences=-5 must be >= 0"),
     ("keep-last-negative", ["checkpoint.keep_last=-1"], "python", 1, 2, "checkpoint.keep_last=-1 must be >= 0"),
     ("weight-decay-negative", ["optim.weight_decay=-5"], "python", 1, 2, "optim.weight_decay=-5.0 must be >= 0"),
+    ("zero-fp16-on-cpu", ["strategy=zero2", "precision=fp16", "train.device=cpu"], "python", 1, 2,
+     "precision=fp16 with strategy=zero2 needs a CUDA device"),
     # Attention kernels this machine can't train with.
     ("flash-attention-on-cpu", ["model.attn_implementation=flash_attention_2", "train.device=cpu"], "python", 1, 2,
      "model.attn_implementation=flash_attention_2 needs a CUDA device"),

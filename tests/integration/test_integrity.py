@@ -169,3 +169,26 @@ def test_resume_applies_a_new_learning_rate_and_refuses_a_new_seed(straight, tmp
     with Timer() as t:
         proc = launch("python", BASE + ["model.rope_theta=500000", f"checkpoint.resume={step4}"], tmp_path / "rope")
     check_case("resume: model.rope_theta changed", proc, t.seconds, 2, "model.rope_theta=500000.0")
+
+
+def test_disk_full_on_a_small_filesystem_keeps_earlier_checkpoints(tmp_path):
+    """The run directory on a 4 MiB tmpfs: the third checkpoint (about 1.4 MiB each) no longer fits."""
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(small)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root): no small filesystem to fill")
+    try:
+        run = small / "run"
+        with Timer() as t:
+            proc = launch("python", BASE + ["checkpoint.every=2", "train.max_steps=12"], run)
+        check_case("disk full: run directory on a 4 MiB filesystem", proc, t.seconds, 4, "No space left on device")
+        kept = sorted(p.name for p in (run / "checkpoints").glob("step_*"))
+        assert kept and not list((run / "checkpoints").glob(".tmp-*")), kept  # nothing half-written left
+        from trainer import checkpoint as ckpt
+
+        for name in kept:  # every checkpoint left is complete and intact
+            path = str(run / "checkpoints" / name)
+            ckpt.verify_files(path, ckpt.read_meta(path), checksums=True)
+        _strict_json_lines(run / "metrics.jsonl")
+    finally:
+        subprocess.run(["umount", str(small)], capture_output=True)

@@ -230,4 +230,4 @@ def test_activation_checkpointing_bogus_is_rejected(compose):
 def test_activation_checkpointing_every_must_be_positive(compose, every):
     cfg = compose(["train.activation_checkpointing=full", f"train.activation_checkpointing_every={every}"])
     problems = C.validate(cfg, 1)
-    _only_one(problems, f"train.activation_checkpointing_every={every}", "positive")
+    _only_one(problems, f"train.activation_checkpointing_every={every}", "must be > 0")

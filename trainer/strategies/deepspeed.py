@@ -244,6 +244,10 @@ class DeepSpeedStrategy(Strategy):
         for key in ("offload_optimizer", "offload_param"):
             if getattr(s, key) not in OFFLOAD_DEVICES:
                 problems.append(f"strategy.{key}={getattr(s, key)!r} is not one of {', '.join(OFFLOAD_DEVICES)}")
+        on_cpu = cfg.train.device == "cpu" or (cfg.train.device == "auto" and not torch.cuda.is_available())
+        if cfg.precision.name == "fp16" and on_cpu:
+            problems.append(f"precision=fp16 with strategy={s.name} needs a CUDA device (DeepSpeed has no fp16 "
+                            f"training on the CPU); use precision=bf16 or fp32 here")
         if cfg.checkpoint.async_save:
             problems.append(f"checkpoint.async_save=true is not available with strategy={s.name} (DeepSpeed writes "
                             f"its checkpoints itself); set checkpoint.async_save=false")
