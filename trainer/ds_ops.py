@@ -72,10 +72,6 @@ def build_dir(name: str) -> str:
     return os.path.join(extensions_root(), name)
 
 
-def is_built(name: str) -> bool:
-    return os.path.isfile(os.path.join(build_dir(name), f"{name}.so"))
-
-
 def builders(folder: str) -> List[int]:
     """Live processes (other than this one) working in `folder` (ninja and the compilers run there) or naming it
     on their command line."""
@@ -242,9 +238,9 @@ def main(argv) -> int:
             print("usage: python -m trainer.ds_ops [build|check]", file=sys.stderr)
             return 2
         wait_for_locks(names, say)
-        missing = [n for n in names if not is_built(n)]
-        if missing:
-            load(missing, say, announce_after=0.0)
+        # Always through DeepSpeed's loader: a build folder may hold an op built from another install's sources
+        # (another clone or venv), which the loader rebuilds; an up-to-date op just loads (a second or two).
+        load(names, say, announce_after=3.0)
     except TesseraError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
