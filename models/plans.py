@@ -12,6 +12,7 @@ them).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -55,6 +56,11 @@ def tp_plan(model, tp: int) -> Optional[Dict[str, str]]:
         return None
     prefix = getattr(model, "base_model_prefix", "")
     plan = {(f"{prefix}.{k}" if prefix else k): v for k, v in base.items()}
+    if is_moe(model) and "moe_tp_experts" not in plan.values():
+        # transformers >= 5.25 lists the experts in its expert-parallel plan only: they stay whole here too.
+        for name, _ in model.named_modules():
+            if name.rpartition(".")[2] == "experts":
+                plan[re.sub(r"\.\d+\.", ".*.", name)] = "moe_tp_experts"
     # Experts stay whole (moe_tp_experts): their parameter-level entries (packed_colwise, ...) do not apply.
     whole = [k for k, v in plan.items() if v == "moe_tp_experts"]
     plan = {k: v for k, v in plan.items() if not any(k.startswith(w + ".") for w in whole)}
