@@ -19,33 +19,20 @@ import torch
 
 from tests.integration.catalogue import Timer, check_case
 from tests.integration.conftest import REPO, SMALL, launch, ok
+from tests.payloads import SystemCall, stack_global_call
 
 BASE = SMALL + ["eval.every=0", "eval.at_end=false", "export.hf_at_end=false", "train.global_batch_size=8",
                 "train.micro_batch_size=2"]
 
 
-class _System:
-    def __init__(self, command: str):
-        self.command = command
-
-    def __reduce__(self):
-        return (os.system, (self.command,))
-
-
-def _short(text: str) -> bytes:
-    b = text.encode()
-    return b"\x8c" + bytes([len(b)]) + b
-
-
 def dotted_name_payload(command: str) -> bytes:
     """STACK_GLOBAL('torch.distributed.checkpoint.filesystem', 'os.system')(command): protocol 4 resolves the
     dotted name inside a module whose name starts as DCP's do."""
-    return (b"\x80\x04" + _short("torch.distributed.checkpoint.filesystem") + _short("os.system") + b"\x93"
-            + _short(command) + b"\x85R.")
+    return stack_global_call("torch.distributed.checkpoint.filesystem", "os.system", command)
 
 
 def torch_payload(path, command: str) -> None:
-    torch.save({"optimizer_state_dict": _System(command), "torch": torch.ones(1)}, path)
+    torch.save({"optimizer_state_dict": SystemCall(command), "torch": torch.ones(1)}, path)
 
 
 def craft(checkpoint, dest, rel: str, write) -> str:

@@ -2,7 +2,6 @@
 a CheckpointError / ModelError naming the file and the global, and no marker file created."""
 from __future__ import annotations
 
-import os
 import pickle
 import pickletools
 from collections import OrderedDict
@@ -11,31 +10,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from tests.payloads import SystemCall, stack_global_call
 from trainer.checkpoint import CheckpointError, SafeFileSystemReader
 from trainer.errors import ModelError, TesseraError
 from trainer.safe_load import (DCP_METADATA_GLOBALS, check_deepspeed_files, deepspeed_loads_weights_only,
                                load_tensors)
-
-
-class _System:
-    """Pickles as a call of os.system (GLOBAL posix.system + REDUCE)."""
-
-    def __init__(self, command: str):
-        self.command = command
-
-    def __reduce__(self):
-        return (os.system, (self.command,))
-
-
-def _short(text: str) -> bytes:
-    b = text.encode()
-    return b"\x8c" + bytes([len(b)]) + b  # SHORT_BINUNICODE
-
-
-def stack_global_call(module: str, name: str, arg: str) -> bytes:
-    """A protocol-4 pickle: STACK_GLOBAL(module, name)(arg). With a dotted name, pickle resolves it attribute by
-    attribute from the module (`os.system` inside any module that imported os)."""
-    return b"\x80\x04" + _short(module) + _short(name) + b"\x93" + _short(arg) + b"\x85R."  # TUPLE1 REDUCE STOP
 
 
 @pytest.fixture
@@ -112,7 +91,7 @@ def test_allow_list_holds_exactly_what_dcp_writes(tmp_path):
 
 def test_tensor_file_that_would_run_code_is_refused(tmp_path, marker):
     path = tmp_path / "rank_0.pt"
-    torch.save({"torch": torch.ones(2), "python": _System(f"touch {marker}")}, path)
+    torch.save({"torch": torch.ones(2), "python": SystemCall(f"touch {marker}")}, path)
     with pytest.raises(CheckpointError, match=r"RNG state file .*rank_0\.pt: it refers to posix\.system") as info:
         load_tensors(str(path), "RNG state file")
     assert "weights_only" not in str(info.value)  # never the advice to turn the protection off
@@ -126,7 +105,7 @@ def test_pretrained_bin_that_would_run_code_is_refused(tmp_path, marker):
 
     from models.weights import PretrainedWeights
 
-    torch.save({"lm_head.weight": torch.ones(2, 2), "x": _System(f"touch {marker}")}, tmp_path / "pytorch_model.bin")
+    torch.save({"lm_head.weight": torch.ones(2, 2), "x": SystemCall(f"touch {marker}")}, tmp_path / "pytorch_model.bin")
     m = SimpleNamespace(name_or_path=str(tmp_path), revision=None, trust_remote_code=False)
     with pytest.raises(ModelError, match=r"pytorch_model\.bin: it refers to posix\.system") as info:
         PretrainedWeights(m)
@@ -166,7 +145,7 @@ def test_deepspeed_file_that_would_run_code_is_refused(tmp_path, marker, payload
     torch.save(_deepspeed_like_state(), good)
     bad = tmp_path / "zero" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     if payload == "system":
-        torch.save({"optimizer_state_dict": _System(f"touch {marker}")}, bad)
+        torch.save({"optimizer_state_dict": SystemCall(f"touch {marker}")}, bad)
         expected = "posix.system"
     elif payload == "exec":
         import builtins
@@ -196,7 +175,7 @@ def test_damaged_deepspeed_file_is_one_clear_error(tmp_path):
 
 def test_deepspeeds_own_reads_are_weights_only_while_it_loads(tmp_path, marker):
     path = tmp_path / "x.pt"
-    torch.save({"s": _System(f"touch {marker}")}, path)
+    torch.save({"s": SystemCall(f"touch {marker}")}, path)
     original = torch.load
     with deepspeed_loads_weights_only():
         with pytest.raises(pickle.UnpicklingError, match="posix.system"):
