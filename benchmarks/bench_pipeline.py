@@ -296,7 +296,7 @@ def worker_run(job: dict, base: list, work: str, probe: Probe) -> dict:
     import torch.distributed as dist
 
     from trainer import build as B
-    from trainer.errors import ConfigError
+    from tessera.errors import ConfigError
     from trainer.loop import fit
 
     schedule, m = job["schedule"], job["m"]

@@ -11,7 +11,7 @@ from typing import Callable, Dict
 
 import torch
 
-from trainer.errors import ModelError
+from tessera.errors import ModelError
 
 VOCAB_MULTIPLE = 8  # presets pad the embedding table so that later tensor-parallel splits divide it
 
@@ -92,11 +92,11 @@ def _hf_config(m, tokenizer):
         return AutoConfig.from_pretrained(m.name_or_path, revision=m.revision,
                                           trust_remote_code=m.trust_remote_code)
     except Exception as e:  # noqa: BLE001 - transformers raises many types; the user needs one message
-        raise ModelError("model.name_or_path: " + _load_message("model config", m.name_or_path, e)) from None
+        raise ModelError("model.name_or_path: " + load_message("model config", m.name_or_path, e)) from None
 
 
-def _load_message(what: str, name: str, e: Exception) -> str:
-    from trainer.safe_load import refused_file, refusal
+def load_message(what: str, name: str, e: Exception) -> str:
+    from tessera.pickles import refused_file, refusal
 
     first = refusal(e)  # a pickle global the weights-only loader refused, by name; never its advice to turn it off
     if os.path.exists(name):
@@ -130,7 +130,7 @@ def load_tokenizer(m):
                                             trust_remote_code=m.trust_remote_code)
     except Exception as e:  # noqa: BLE001
         key = "model.name_or_path" if source == m.name_or_path else "model.tokenizer"
-        raise ModelError(f"{key}: " + _load_message("tokenizer", source, e)) from None
+        raise ModelError(f"{key}: " + load_message("tokenizer", source, e)) from None
     if tok.eos_token_id is None:
         raise ModelError(f"the tokenizer from {source!r} has no EOS token; packing needs one "
                          f"(set model.tokenizer to a tokenizer that has one)")
@@ -262,7 +262,7 @@ def build(m, info: ModelInfo, seed: int | None = None, device: torch.device | st
                 m.name_or_path, config=info.hf_config, revision=m.revision, trust_remote_code=m.trust_remote_code,
                 dtype=dtype, weights_only=True, **kwargs)  # a .bin file's pickle: tensors only, never code
         except Exception as e:  # noqa: BLE001
-            raise ModelError("model.name_or_path: " + _load_message("model weights", m.name_or_path, e)) from None
+            raise ModelError("model.name_or_path: " + load_message("model weights", m.name_or_path, e)) from None
     else:
         cpu_rng = torch.random.get_rng_state()
         try:

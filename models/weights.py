@@ -19,7 +19,7 @@ from typing import Dict, List, Optional
 import torch
 
 from models.checkpoint_keys import Source, model_sources
-from trainer.errors import ModelError
+from tessera.errors import ModelError
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +33,9 @@ def _local_folder(m) -> str:
         return snapshot_download(m.name_or_path, revision=m.revision,
                                  allow_patterns=["*.safetensors", "*.json", "*.bin"])
     except Exception as e:  # noqa: BLE001 - hub errors come in many types
-        from models.registry import _load_message
+        from models.registry import load_message
 
-        raise ModelError("model.name_or_path: " + _load_message("model weights", m.name_or_path, e)) from None
+        raise ModelError("model.name_or_path: " + load_message("model weights", m.name_or_path, e)) from None
 
 
 _UNSET = object()
@@ -101,7 +101,7 @@ class PretrainedWeights:
                 else:
                     self._open[path] = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
             except Exception as e:  # noqa: BLE001 - a missing, truncated or foreign file: one clear message
-                from trainer.safe_load import refusal  # a pickle global the weights-only loader refused, by name
+                from tessera.pickles import refusal  # a pickle global the weights-only loader refused, by name
 
                 raise ModelError(f"model.name_or_path={self.name_or_path!r}: cannot read the checkpoint file "
                                  f"{path}: {refusal(e)}") from None

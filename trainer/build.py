@@ -25,7 +25,7 @@ from trainer import config as C
 from trainer import parallel, rundir
 from trainer.data.datasets import DataSplits, build_data
 from trainer.data.sampler import GlobalBatchSampler
-from trainer.errors import ConfigError, ModelError, TesseraError
+from tessera.errors import ConfigError, ModelError, TesseraError
 from trainer.memory import parameter_bytes
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_optimizer, build_scheduler

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from trainer.errors import FaultError, TesseraError
+from tessera.errors import CheckpointError, CheckpointSaveError, FaultError, TesseraError, one_line
 
 COMPLETE = "COMPLETE.json"
 KEEP = "KEEP.json"  # a pinned checkpoint (e.g. the last finite one before divergence): never rotated away
@@ -47,19 +47,12 @@ FORMAT = 1
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
-class CheckpointError(TesseraError):
-    pass
-
-
-class CheckpointSaveError(FaultError):
-    """A save that failed while running (disk full, a peer gone): exit code 4; earlier checkpoints are intact."""
-
-
 # --------------------------------------------------------------------------------------------------------
 # Safe reading of DCP checkpoints: trainer/safe_load.py holds every unpickling (exact allow-lists).
 
+from tessera.pickles import load_tensors  # noqa: E402
 from trainer.safe_load import (  # noqa: E402,F401 - re-exported: strategies and trainer.export use these names
-    _DCPMetadataUnpickler, SafeFileSystemReader, SafeLoadPlanner, load_tensors)
+    SafeFileSystemReader, SafeLoadPlanner)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -141,7 +134,7 @@ def verify_files(path: str, meta: dict, checksums: bool = False) -> None:
         except CheckpointError:
             raise
         except Exception as e:  # noqa: BLE001 - any unpickling failure means a damaged file
-            raise CheckpointError(f"cannot load checkpoint {path}: its .metadata is damaged ({_short(e)}); "
+            raise CheckpointError(f"cannot load checkpoint {path}: its .metadata is damaged ({one_line(e)}); "
                                   f"resume from another one") from None
 
 
@@ -295,14 +288,6 @@ def _fsync_dir(path: str) -> None:
         pass
 
 
-def _short(e: BaseException) -> str:
-    text = str(e).strip()
-    m = re.search(r"(\[Errno \d+\][^\n']*)", text)
-    if m:
-        return m.group(1)
-    return text.splitlines()[0][:300] if text else type(e).__name__
-
-
 class CheckpointManager:
     """save(step) / load(path) / wait() / close(); the strategy supplies the sharded state."""
 
@@ -376,7 +361,7 @@ class CheckpointManager:
 
                 traceback.print_exc()
             self._abandon(tmp)
-            raise CheckpointSaveError(f"saving the checkpoint of step {step} failed: {_short(e)}; the earlier "
+            raise CheckpointSaveError(f"saving the checkpoint of step {step} failed: {one_line(e)}; the earlier "
                                   f"checkpoints are intact") from None
         self.last_saved_step = step
 
@@ -392,7 +377,7 @@ class CheckpointManager:
             raise
         except BaseException as e:  # noqa: BLE001
             self._abandon(tmp)
-            raise CheckpointSaveError(f"the background save of step {step} failed: {_short(e)}; the earlier "
+            raise CheckpointSaveError(f"the background save of step {step} failed: {one_line(e)}; the earlier "
                                   f"checkpoints are intact") from None
         self._finalize(tmp, final, step, t0, result if isinstance(result, _Checksums) else None)
 
@@ -506,7 +491,7 @@ class CheckpointManager:
         except (CheckpointError, KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-            raise CheckpointError(f"cannot load checkpoint {path}: {_short(e)}; it may be damaged, resume from "
+            raise CheckpointError(f"cannot load checkpoint {path}: {one_line(e)}; it may be damaged, resume from "
                                   f"another one") from None
         if weights_only:
             run.logger.info(f"loaded the model weights of {path}; starting a new run at step 0")

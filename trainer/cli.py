@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 from omegaconf import OmegaConf
 
-from trainer.errors import TesseraError
+from tessera.errors import TesseraError
 
 
 def sanitize_argv(argv: list) -> list:
@@ -38,13 +38,13 @@ def launch_time(fmt: str = "%Y-%m-%d/%H-%M-%S") -> str:
     so all ranks of a torchrun/deepspeed launch agree) or, for a plain `python` run, now."""
     ts = time.time()
     if "LOCAL_RANK" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        ts = _process_start_time(os.getppid()) or ts
+        ts = process_start_time(os.getppid()) or ts
     if "TESSERA_LAUNCH_TIME" in os.environ:  # set by launch.sh so that everything it starts agrees
         ts = float(os.environ["TESSERA_LAUNCH_TIME"])
     return time.strftime(fmt, time.localtime(ts))
 
 
-def _process_start_time(pid: int):
+def process_start_time(pid: int):
     try:
         with open(f"/proc/{pid}/stat") as fh:
             fields = fh.read().rsplit(")", 1)[1].split()
@@ -160,7 +160,7 @@ def user_errors():
     Known runtime faults raised inside torch.distributed (a peer gone, a collective timed out) or by the OS (disk
     full, read-only, permission denied) become one line naming the cause and the key or path, exit code 4.
     Anything else is a bug and keeps its traceback. TESSERA_DEBUG=1 prints the traceback of translated errors."""
-    from trainer.errors import EXIT_FAULT
+    from tessera.errors import EXIT_FAULT
 
     rank = int(os.environ.get("RANK", "0"))
     prefix = f"[rank {rank}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""

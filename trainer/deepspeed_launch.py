@@ -58,7 +58,7 @@ def prepare_ops() -> int:
 
 
 def main(argv) -> int:
-    from trainer.errors import EXIT_FAULT, EXIT_INTERRUPTED
+    from tessera.errors import EXIT_FAULT, EXIT_INTERRUPTED
 
     code = prepare_ops()
     if code:

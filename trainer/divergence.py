@@ -15,7 +15,7 @@ from collections import deque
 
 import torch
 
-from trainer.errors import DivergenceError
+from tessera.errors import DivergenceError
 
 SPIKE_WINDOW = 20  # logged losses the spike check averages over
 SPIKE_MIN_HISTORY = 5  # logged losses needed before a spike can be judged

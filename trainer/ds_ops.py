@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Callable, List, Optional
 
-from trainer.errors import TesseraError
+from tessera.errors import TesseraError
 
 SHM_COMM = "deepspeed_shm_comm"
 AIO = "async_io"

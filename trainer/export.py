@@ -14,6 +14,8 @@ import argparse
 import os
 import sys
 
+from tessera.errors import one_line
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 DTYPES = ("fp32", "bf16", "fp16")
@@ -74,7 +76,7 @@ def export_checkpoint(checkpoint: str, out_dir: str, dtype: str | None = None) -
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-        raise ckpt.CheckpointError(f"cannot read the model from {path}: {ckpt._short(e)}") from None
+        raise ckpt.CheckpointError(f"cannot read the model from {path}: {one_line(e)}") from None
     model.load_state_dict(state["model"])
     model.tie_weights()
     write_hf_folder(model, tokenizer, out_dir, dtype=dtype)
@@ -112,7 +114,7 @@ def main(argv=None) -> int:
                         help="dtype of the written weights (default: the run's export.dtype, fp32 if unset)")
     args = parser.parse_args(argv)
     from trainer.cli import fault_message, unwritable
-    from trainer.errors import EXIT_BAD_INPUT, EXIT_FAULT, TesseraError
+    from tessera.errors import EXIT_BAD_INPUT, EXIT_FAULT, TesseraError
 
     why = unwritable(args.out_dir)
     if why:

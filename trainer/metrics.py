@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from trainer.errors import FaultError
+from tessera.errors import FaultError
 
 # Dense bf16 peak TFLOP/s of one device, by a substring of its name.
 KNOWN_PEAKS = (("H200", 989.0), ("H100", 989.0), ("A100", 312.0), ("L40S", 362.0), ("A10G", 125.0),

@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from trainer.errors import ConfigError
+from tessera.errors import ConfigError
 
 
 def param_groups(named_params, weight_decay: float):

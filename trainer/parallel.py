@@ -14,7 +14,7 @@ from typing import List
 import torch
 import torch.distributed as dist
 
-from trainer.errors import ConfigError, FaultError, TesseraError
+from tessera.errors import ConfigError, FaultError, TesseraError
 
 DEGREE_KEYS = ("dp_replicate", "dp_shard", "tp", "pp")
 
@@ -140,7 +140,7 @@ def select_device(spec: str) -> torch.device:
     return device
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -158,7 +158,7 @@ def init_process_group(device: torch.device, timeout_s: float) -> None:
     if dist.is_initialized():
         return
     if "WORLD_SIZE" not in os.environ:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                           LOCAL_RANK="0")
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {}

@@ -160,7 +160,7 @@ def activation_bytes(cfg, info, dims, layers_here: int) -> float:
 def estimate(cfg, world_size: int, info, counts: Optional[Counts] = None) -> Estimate:
     from models.init import meta_model
     from trainer import build as B
-    from trainer.errors import ConfigError
+    from tessera.errors import ConfigError
     from trainer.parallel import ParallelDims
 
     s = cfg.strategy
@@ -333,7 +333,7 @@ def main(argv=None) -> int:
     """Exit codes: 0 valid (and fits plan.device_memory when given), 1 valid but does not fit, 2 the config has
     problems (the same problems and code training would give)."""
     from trainer.cli import sanitize_argv
-    from trainer.errors import EXIT_BAD_INPUT, TesseraError
+    from tessera.errors import EXIT_BAD_INPUT, TesseraError
 
     argv = sanitize_argv(list(sys.argv[1:] if argv is None else argv))
     try:
@@ -362,7 +362,7 @@ def _compose(overrides):
 
     from trainer import config as C
     from trainer.cli import register_resolvers
-    from trainer.errors import ConfigError
+    from tessera.errors import ConfigError
 
     plan = {}
     rest = []

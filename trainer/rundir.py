@@ -27,7 +27,7 @@ from typing import Dict, List, Optional
 
 from trainer import checkpoint as ckpt
 from trainer import parallel
-from trainer.errors import FaultError, TesseraError
+from tessera.errors import FaultError, TesseraError
 
 LOCK_NAME = ".lock"
 PREVIOUS_PREFIX = "previous-"
@@ -125,10 +125,10 @@ def job_token() -> str:
     (torchrun's agent, deepspeed's per-node launcher) and its start time; a lone process is its own job."""
     host = socket.gethostname()
     if parallel.env_world_size() > 1 or "LOCAL_RANK" in os.environ:
-        from trainer.cli import _process_start_time
+        from trainer.cli import process_start_time
 
         ppid = os.getppid()
-        return f"{host}:{ppid}:{_process_start_time(ppid)}"
+        return f"{host}:{ppid}:{process_start_time(ppid)}"
     return f"{host}:{os.getpid()}"
 
 

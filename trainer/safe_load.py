@@ -31,13 +31,8 @@ from typing import Iterable, List, Optional
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 
-from trainer.errors import TesseraError
-
-
-def _error(message: str):
-    from trainer.checkpoint import CheckpointError  # trainer.checkpoint imports this module
-
-    return CheckpointError(message)
+from tessera.errors import CheckpointError, TesseraError
+from tessera.pickles import load_tensors, refusal
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -74,7 +69,7 @@ class _DCPMetadataUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
         if (module, name) in DCP_METADATA_GLOBALS:
             return super().find_class(module, name)
-        raise _error(f"{self.path} refers to {module}.{name}, which a checkpoint never holds; refusing to load it "
+        raise CheckpointError(f"{self.path} refers to {module}.{name}, which a checkpoint never holds; refusing to load it "
                      f"(nothing of it ran)")
 
 
@@ -99,46 +94,10 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 # --------------------------------------------------------------------------------------------------------
 # torch.save files.
 
-def refusal(e: BaseException) -> str:
-    """What the weights-only unpickler refused, in one line (never its advice to turn weights_only off)."""
-    text = str(e)
-    m = re.search(r"GLOBAL ([\w.]+)", text)
-    if m:
-        return f"it refers to {m.group(1)}, which such a file never holds"
-    lines = [line.strip() for line in text.splitlines() if line.strip() and "weights_only" not in line
-             and "Weights only load failed" not in line]
-    return lines[0][:300] if lines else type(e).__name__
 
 
-def load_tensors(path: str, what: str = "checkpoint file", error=None, extra_globals: Iterable = (), **kwargs):
-    """torch.load(path, weights_only=True); a file that refers to anything else is refused with `error` (a
-    CheckpointError by default) naming the file and the global."""
-    try:
-        with torch.serialization.safe_globals(list(extra_globals)):
-            return torch.load(path, weights_only=True, **kwargs)
-    except pickle.UnpicklingError as e:
-        if "GLOBAL" in str(e):
-            message = f"{what} {path}: {refusal(e)}; refusing to load it (nothing of it ran)"
-        else:
-            message = f"{what} {path} is damaged: {refusal(e)}"
-        raise (error(message) if error else _error(message)) from None
 
 
-def refused_file(folder: str):
-    """The refusal message (naming the file and the global) of the first torch pickle (`*.bin`, `*.pt`,
-    `*.pth`) in `folder` that a weights-only load refuses, or None: names the file behind a library's error."""
-    if not os.path.isdir(folder):
-        return None
-    for name in sorted(os.listdir(folder)):
-        if name.endswith((".bin", ".pt", ".pth")):
-            try:
-                load_tensors(os.path.join(folder, name), "", error=ValueError, map_location="cpu", mmap=True)
-            except ValueError as e:
-                if "refers to" in str(e):
-                    return str(e).strip()
-            except Exception:  # noqa: BLE001 - not a torch file: not the one refused
-                continue
-    return None
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -189,7 +148,7 @@ def check_deepspeed_files(folder: str) -> None:
         except TesseraError:
             raise
         except Exception as e:  # noqa: BLE001 - a truncated or foreign file: one message naming it
-            raise _error(f"{what} {path} is damaged: {refusal(e)}; resume from another checkpoint") from None
+            raise CheckpointError(f"{what} {path} is damaged: {refusal(e)}; resume from another checkpoint") from None
 
 
 @contextlib.contextmanager

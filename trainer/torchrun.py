@@ -103,7 +103,7 @@ def main(argv) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    from trainer.errors import EXIT_FAULT, EXIT_INTERRUPTED
+    from tessera.errors import EXIT_FAULT, EXIT_INTERRUPTED
 
     args = parse_args(_with_default_signals(argv))
     os.environ["TESSERA_LAUNCHER_PID"] = str(os.getpid())  # the ranks inherit it: they watch this process

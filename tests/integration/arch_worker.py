@@ -79,7 +79,7 @@ def job_dir_name(job: str) -> str:
 
 
 def first_line(e: BaseException) -> str:
-    from trainer.errors import ConfigError
+    from tessera.errors import ConfigError
 
     if isinstance(e, ConfigError) and e.problems:
         text = str(e.problems[0])

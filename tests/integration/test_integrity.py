@@ -135,7 +135,7 @@ def test_export_refuses_non_finite_weights(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-    from trainer.errors import DivergenceError
+    from tessera.errors import DivergenceError
     from trainer.strategies.base import write_hf_folder
 
     model = AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from trainer import config as C
 from trainer.build import check
-from trainer.errors import ConfigError
+from tessera.errors import ConfigError
 from trainer.parallel import ParallelDims
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"

@@ -17,7 +17,7 @@ from trainer.config import DataConfig, ModelConfig, TesseraConfig
 from trainer.data.datasets import IGNORE, PackedSequences, SFTSequences, build_data
 from trainer.data.store import TokenStore, build_or_load
 from trainer.data.sft import DEFAULT_CHAT_TEMPLATE
-from trainer.errors import DataError
+from tessera.errors import DataError
 
 import cache_worker  # tests/unit/cache_worker.py: the spawned processes import it, not this heavier module
 

@@ -7,7 +7,7 @@ import pytest
 
 from tests.conftest import compose_config
 from trainer.build import check
-from trainer.errors import ConfigError
+from tessera.errors import ConfigError
 from trainer.strategies.deepspeed import build_ds_config
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from trainer import config as C
 from trainer.build import check
-from trainer.errors import ConfigError
+from tessera.errors import ConfigError
 from trainer.strategies import base
 from trainer.strategies.torch_native import TorchNativeStrategy
 

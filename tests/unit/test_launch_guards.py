@@ -11,7 +11,7 @@ import time
 import pytest
 
 from trainer import ds_ops, preemption
-from trainer.errors import EXIT_BAD_INPUT
+from tessera.errors import EXIT_BAD_INPUT
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from tests.conftest import compose_config
-from trainer.errors import ConfigError
+from tessera.errors import ConfigError
 
 
 @pytest.fixture(scope="module")

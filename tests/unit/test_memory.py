@@ -23,9 +23,9 @@ def build_run(tmp_path, monkeypatch):
     """build_run(strategy) -> a built Run (closed at teardown). ddp gets a one-rank gloo group on a free port; the
     environment it sets is restored afterwards."""
     from trainer import build as B
-    from trainer.parallel import _free_port
+    from trainer.parallel import free_port
 
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(_free_port())), ("RANK", "0"),
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())), ("RANK", "0"),
                        ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
         monkeypatch.setenv(key, value)
     runs = []

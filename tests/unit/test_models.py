@@ -7,7 +7,7 @@ import torch
 from models import registry
 from models.tokenizer import EOS_TOKEN, PAD_TOKEN, embedded_tokenizer
 from trainer.config import ModelConfig
-from trainer.errors import ModelError
+from tessera.errors import ModelError
 
 TEXTS = [
     "Once upon a time, there was a little girl named Lily.",
@@ -203,7 +203,7 @@ def test_real_hf_model_loads(shared_data):
 # ---- attention implementation: the model's own choice unless set; one config problem when it can't run ----
 def _check_problems(compose_fn, overrides) -> list:
     from trainer import build as B
-    from trainer.errors import ConfigError
+    from tessera.errors import ConfigError
 
     cfg = compose_fn(list(overrides) + ["strategy=single"])
     try:

@@ -159,7 +159,7 @@ def test_auto_falls_back_where_a_parameter_has_no_fused_kernel():
 
 
 def test_explicit_fused_where_no_kernel_applies_is_a_config_problem():
-    from trainer.errors import ConfigError
+    from tessera.errors import ConfigError
 
     meta = torch.nn.Parameter(torch.ones(2, 2, device="meta"))
     with pytest.raises(ConfigError, match=r"optim.implementation='fused'.*torch.float32 on meta.*implementation=auto"):

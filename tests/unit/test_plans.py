@@ -8,7 +8,7 @@ from models import plans
 from models.init import meta_model
 from tests.conftest import compose_config
 from trainer.build import check
-from trainer.errors import ConfigError
+from tessera.errors import ConfigError
 
 SMALL = ["model.hidden_size=64", "model.num_layers=4", "model.num_heads=4", "model.num_kv_heads=2",
          "model.intermediate_size=128", "data.embedded_documents=50", "data.seq_len=32"]

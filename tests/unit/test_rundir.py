@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from trainer import rundir
-from trainer.errors import FaultError
+from tessera.errors import FaultError
 from trainer.metrics import MetricsLogger, json_line, truncate_jsonl
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

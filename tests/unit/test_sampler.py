@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from trainer.data.sampler import GlobalBatchSampler, rank_slice
-from trainer.errors import DataError
+from tessera.errors import DataError
 
 N, GBS, SEED = 203, 16, 1234  # 203 // 16 = 12 batches per epoch, 11 sequences dropped each epoch
 

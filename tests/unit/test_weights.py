@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from models.weights import PretrainedWeights
-from trainer.errors import ModelError
+from tessera.errors import ModelError
 
 
 def _llama():

@@ -17,7 +17,7 @@ import torch
 from trainer.data import sft, sources
 from trainer.data.embedded import VERSION as EMBEDDED_VERSION, embedded_documents
 from trainer.data.store import TokenStore, build_or_load, default_cache_dir, tokenizer_fingerprint
-from trainer.errors import DataError
+from tessera.errors import DataError
 
 IGNORE = -100
 

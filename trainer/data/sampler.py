@@ -12,7 +12,7 @@ from typing import List
 
 import numpy as np
 
-from trainer.errors import DataError
+from tessera.errors import DataError
 
 
 class GlobalBatchSampler:

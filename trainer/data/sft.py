@@ -11,7 +11,7 @@ from typing import List, Tuple
 
 import numpy as np
 
-from trainer.errors import DataError
+from tessera.errors import DataError
 
 DEFAULT_CHAT_TEMPLATE = (
     "{% for message in messages %}"

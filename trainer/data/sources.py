@@ -8,7 +8,7 @@ import json
 import os
 from typing import Iterator, List, Tuple
 
-from trainer.errors import DataError
+from tessera.errors import DataError
 
 TEXT_EXTS = (".txt", ".text", ".md")
 JSON_EXTS = (".json", ".jsonl")

@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Iterator, Tuple
 
 import numpy as np
 
-from trainer.errors import DataError
+from tessera.errors import DataError
 
 FORMAT_VERSION = 1
 
@@ -40,7 +40,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 @contextmanager
-def _locked(path: str):
+def file_lock(path: str):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "a+") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
@@ -108,7 +108,7 @@ def build_or_load(cache_dir: str, key: dict, kind: str, vocab_size: int,
         os.makedirs(cache_dir, exist_ok=True)
     except OSError as e:
         raise DataError(f"data.cache_dir={cache_dir!r} cannot be created: {e.strerror}") from None
-    with _locked(final + ".lock"):
+    with file_lock(final + ".lock"):
         if os.path.exists(os.path.join(final, "meta.json")):
             damage = entry_damage(final)
             if damage is None:

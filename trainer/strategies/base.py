@@ -447,7 +447,7 @@ def write_hf_folder_streaming(config, tokenizer, out_dir: str, named_tensors, wr
 
 
 def raise_non_finite(names) -> None:
-    from trainer.errors import DivergenceError
+    from tessera.errors import DivergenceError
 
     raise DivergenceError(f"the model holds non-finite weights ({len(names)} tensor(s), e.g. {names[0]}): not "
                           f"exported; export an earlier checkpoint")

@@ -21,7 +21,7 @@ from typing import List
 import torch
 import torch.distributed as dist
 
-from trainer.errors import ConfigError
+from tessera.errors import ConfigError
 from trainer.memory import count_optimizer_state, unique_params
 from trainer.strategies.base import Strategy, to_device, token_loss_sum
 
@@ -388,12 +388,12 @@ class DeepSpeedStrategy(Strategy):
 
         from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
-        from trainer.data.store import _locked
+        from trainer.data.store import file_lock
         from trainer.safe_load import checked_deepspeed_folder
 
         out = os.path.join(self.run_dir, "checkpoints", f".universal-{os.path.basename(folder.rstrip('/'))}")
         done = os.path.join(out, "CONVERTED")
-        with _locked(out + ".lock"):
+        with file_lock(out + ".lock"):
             if not os.path.exists(done):
                 import shutil
 

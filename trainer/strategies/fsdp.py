@@ -122,7 +122,7 @@ def missing_pretrained(initial_weights, named_parameters) -> None:
     """A pretrained checkpoint must hold every parameter the model has (a buffer may be missing)."""
     missing = initial_weights.missing(n for n, _ in named_parameters)
     if missing:
-        from trainer.errors import ModelError
+        from tessera.errors import ModelError
 
         raise ModelError(f"model.name_or_path: the checkpoint in {initial_weights.folder} lacks "
                          f"{len(missing)} of the model's parameters ({', '.join(missing[:4])} ...)")

@@ -128,7 +128,7 @@ def apply_tp(part: nn.Module, plan: dict, tp_mesh, sequence_parallel: bool) -> N
     styles = _styles(sequence_parallel)
     unknown = sorted({st for st in plan.values() if st not in styles})
     if unknown:
-        from trainer.errors import ModelError
+        from tessera.errors import ModelError
 
         raise ModelError(f"the model's tensor-parallel plan uses style(s) {', '.join(map(repr, unknown))}, which "
                          f"Tessera does not apply (supported: {', '.join(styles)}); set strategy.tp=1")

@@ -7,6 +7,7 @@ Exit codes (README "Errors"):
     4    a fault while running: a peer rank died, a collective timed out, a disk filled up or became read-only
     130  interrupted a second time (Ctrl-C twice): stopped at once, without saving
 """
+import re
 
 EXIT_OK = 0
 EXIT_BAD_INPUT = 2
@@ -54,3 +55,20 @@ class FaultError(TesseraError):
     filled up. The message names what to check or the key to change."""
 
     exit_code = EXIT_FAULT
+
+
+class CheckpointError(TesseraError):
+    """A checkpoint that cannot be used: missing, damaged, refused (a pickle naming code), or incompatible."""
+
+
+class CheckpointSaveError(FaultError):
+    """A save that failed while running (disk full, a peer gone): exit code 4; earlier checkpoints are intact."""
+
+
+def one_line(e: BaseException) -> str:
+    """The gist of an exception in one line: its `[Errno N] ...` part where it has one, else its first line."""
+    text = str(e).strip()
+    m = re.search(r"(\[Errno \d+\][^\n']*)", text)
+    if m:
+        return m.group(1)
+    return text.splitlines()[0][:300] if text else type(e).__name__
