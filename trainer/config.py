@@ -187,6 +187,9 @@ class LoggingConfig:
     tensorboard: bool = False
     # Dense bf16 peak of one device in TFLOP/s for MFU; null = known GPUs are detected, CPU gives no MFU.
     peak_tflops: Optional[float] = None
+    # Measure the model-state memory (parameters, gradients, optimizer state, per rank) in the first step and write
+    # <run dir>/memory.json: opt-in, since it probes the first step.
+    memory_report: bool = False
 
 
 @dataclass
