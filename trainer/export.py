@@ -47,7 +47,7 @@ def export_checkpoint(checkpoint: str, out_dir: str, dtype: str | None = None) -
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from trainer import checkpoint as ckpt
-    from trainer.strategies.base import write_hf_folder
+    from trainer.hf_export import write_hf_folder
 
     import transformers
 
@@ -93,7 +93,7 @@ def _export_deepspeed(path: str, config, tokenizer, out_dir: str, dtype: str) ->
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     from trainer.safe_load import checked_deepspeed_folder
-    from trainer.strategies.base import write_hf_folder_streaming
+    from trainer.hf_export import write_hf_folder_streaming
 
     with checked_deepspeed_folder(path):  # the lazy tensors read their files while they are written out
         with contextlib.redirect_stdout(io.StringIO()):  # its progress chatter

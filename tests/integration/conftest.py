@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+
+from trainer.launch_plan import launcher_command, run_process_group  # noqa: E402
+from trainer.parallel import free_port  # noqa: E402,F401 - tests import it from here
+
 VENV_BIN = Path(sys.executable).parent
 
 # A debug-size model and corpus: every launch costs seconds of start-up, the steps themselves little.
@@ -18,49 +20,12 @@ SMALL = ["model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "mod
          "logging.progress=false"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(launcher: str, overrides, run_dir, nproc: int = 1, timeout: float = 300, env=None):
-    """Start trainer/main.py with `python`, `torchrun` or `deepspeed`; returns the CompletedProcess."""
-    main = str(REPO / "trainer" / "main.py")
-    args = list(overrides) + [f"hydra.run.dir={run_dir}"]
-    if launcher == "python":
-        cmd = [sys.executable, main]
-    elif launcher == "torchrun":
-        cmd = [str(VENV_BIN / "torchrun"), f"--nproc_per_node={nproc}", f"--master_port={free_port()}", main]
-    elif launcher == "torchrun-quiet":  # what launch.sh runs: torchrun without its traceback on failure
-        cmd = [sys.executable, "-m", "trainer.torchrun", f"--nproc_per_node={nproc}",
-               f"--master_port={free_port()}", main]
-    elif launcher == "deepspeed":
-        cmd = [str(VENV_BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()), main]
-    else:
-        raise ValueError(launcher)
+    """Start trainer/main.py with `python`, `torchrun`, `torchrun-quiet` or `deepspeed`; the CompletedProcess."""
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     full_env.update(env or {})
-    return run_group(cmd + args, env=full_env, timeout=timeout)
-
-
-def run_group(cmd, env=None, timeout: float = 300):
-    """subprocess.run in its own process group: on a timeout every rank the launcher started is killed too
-    (a hang then fails the test instead of leaving orphans behind)."""
-    import time
-
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(f"timed out after {timeout}s (a hang?)\nSTDOUT:\n{out[-3000:]}\nSTDERR:\n{err[-3000:]}")
-    done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-    done.seconds = time.perf_counter() - t0  # for the catalogue of bad input and faults
-    return done
+    cmd = launcher_command(launcher, nproc) + list(overrides) + [f"hydra.run.dir={run_dir}"]
+    return run_process_group(cmd, env=full_env, timeout=timeout)
 
 
 def ok(proc) -> None:

@@ -23,7 +23,7 @@ import pytest
 
 from tests.archs import ARCHITECTURES, FP16_LAYOUTS, LAYOUTS, REFUSED, VOCAB, make_model_folder
 from tests.integration import arch_worker as W
-from tests.integration.conftest import REPO, VENV_BIN, free_port, read_jsonl, rel_err, run_group
+from tests.integration.conftest import REPO, VENV_BIN, free_port, read_jsonl, rel_err, run_process_group
 
 ARCHS = list(ARCHITECTURES)
 TOL = 1e-4  # fp32 parity: relative error of each step's loss and grad norm (and the final val loss)
@@ -81,11 +81,11 @@ class Matrix:
             cmd += [str(REPO / "tests" / "integration" / "arch_worker.py"), "--layout", layout,
                     "--models", str(self.models), "--out", str(out), "--jobs", ",".join(todo)]
             try:
-                proc = run_group(cmd, env=_env(), timeout=LAUNCH_TIMEOUT_S)
+                proc = run_process_group(cmd, env=_env(), timeout=LAUNCH_TIMEOUT_S)
                 why = _death(proc)
                 logs.append(f"$ {' '.join(cmd)}\nexit {proc.returncode}\nSTDOUT:\n{proc.stdout[-6000:]}\n"
                             f"STDERR:\n{proc.stderr[-6000:]}")
-            except AssertionError as e:  # run_group's timeout: every rank was killed
+            except AssertionError as e:  # run_process_group's timeout: every rank was killed
                 why = str(e).splitlines()[0]
                 logs.append(str(e)[-6000:])
             merged = W.collect(out, todo, world)

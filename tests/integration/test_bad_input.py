@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import pytest
 
 from tests.integration.catalogue import Timer, check_case
-from tests.integration.conftest import REPO, SMALL, free_port, launch, run_group
+from tests.integration.conftest import REPO, SMALL, free_port, launch, run_process_group
 
 QUICK = SMALL + ["train.max_steps=2", "eval.every=0", "eval.at_end=false", "export.hf_at_end=false"]
 
@@ -151,7 +151,7 @@ def test_read_only_cache_dir(tmp_path):
 
 def test_read_only_export_folder(tmp_path):
     with _read_only_folder(tmp_path / "ro") as ro, Timer() as t:
-        proc = run_group([sys.executable, "-m", "trainer.export", str(tmp_path / "no-checkpoint"), str(ro / "out")],
+        proc = run_process_group([sys.executable, "-m", "trainer.export", str(tmp_path / "no-checkpoint"), str(ro / "out")],
                          timeout=120)
     check_case("read-only-export-folder", proc, t.seconds, 2, f"the export folder {ro / 'out'}")
 
@@ -191,14 +191,14 @@ def test_master_port_in_use(tmp_path):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0",
                    WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         with Timer() as t:
-            proc = run_group([sys.executable, str(REPO / "trainer" / "main.py")] + QUICK +
+            proc = run_process_group([sys.executable, str(REPO / "trainer" / "main.py")] + QUICK +
                              ["strategy=ddp", f"hydra.run.dir={tmp_path / 'run2'}"], env=env, timeout=120)
         check_case("MASTER_PORT-in-use-rank0", proc, t.seconds, 2, f"MASTER_PORT={port} is already in use")
 
 
 def test_master_port_in_use_torchrun(tmp_path):
     with _busy_port() as port, Timer() as t:
-        proc = run_group([sys.executable, "-m", "trainer.torchrun", "--nproc_per_node=2", f"--master_port={port}",
+        proc = run_process_group([sys.executable, "-m", "trainer.torchrun", "--nproc_per_node=2", f"--master_port={port}",
                           str(REPO / "trainer" / "main.py")] + QUICK + [f"hydra.run.dir={tmp_path / 'run'}"],
                          env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=120)
     check_case("MASTER_PORT-in-use-torchrun", proc, t.seconds, 2, f"MASTER_PORT={port} is already in use")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.conftest import SHARED
-from tests.integration.conftest import REPO, SMALL, launch, metrics, ok, pretrained_overrides, rel_err, run_group
+from tests.integration.conftest import REPO, SMALL, launch, metrics, ok, pretrained_overrides, rel_err, run_process_group
 
 TEN = SMALL + ["train.max_steps=10", "train.log_every=1", "train.global_batch_size=8", "eval.every=0",
                "eval.at_end=false", "export.hf_at_end=false", "checkpoint.at_end=false"]
@@ -132,7 +132,7 @@ def test_zero_resume_on_another_data_parallel_size(zero_run, tmp_path, nproc):
 def test_launch_sh_uses_the_deepspeed_launcher(tmp_path):
     env = dict(os.environ, NPROC_PER_NODE="2", OMP_NUM_THREADS="1",
                TESSERA_VENV=os.path.dirname(os.path.dirname(__import__("sys").executable)))
-    proc = run_group([str(REPO / "launch.sh")] + SMALL + ["strategy=zero2", "train.max_steps=2", "eval.every=0",
+    proc = run_process_group([str(REPO / "launch.sh")] + SMALL + ["strategy=zero2", "train.max_steps=2", "eval.every=0",
                                                           "train.global_batch_size=8", "train.micro_batch_size=2",
                                                           f"hydra.run.dir={tmp_path}"], env=env)
     ok(proc)

@@ -136,7 +136,7 @@ def test_export_refuses_non_finite_weights(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
     from tessera.errors import DivergenceError
-    from trainer.strategies.base import write_hf_folder
+    from trainer.hf_export import write_hf_folder
 
     model = AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
                                                          num_hidden_layers=1, num_attention_heads=2))

@@ -67,11 +67,11 @@ def test_hf_export_loads(runs):
 
 
 def test_launch_sh_runs_default_with_overrides(tmp_path):
-    from tests.integration.conftest import REPO, run_group
+    from tests.integration.conftest import REPO, run_process_group
 
     env = dict(os.environ, NPROC_PER_NODE="2", OMP_NUM_THREADS="1",
                TESSERA_VENV=os.path.dirname(os.path.dirname(__import__("sys").executable)))
-    proc = run_group([str(REPO / "launch.sh")] + SMALL + ["train.max_steps=3", "eval.every=0",
+    proc = run_process_group([str(REPO / "launch.sh")] + SMALL + ["train.max_steps=3", "eval.every=0",
                                                           f"hydra.run.dir={tmp_path / 'run'}"], env=env)
     ok(proc)
     recs = metrics(tmp_path / "run")

@@ -413,7 +413,7 @@ class DeepSpeedStrategy(Strategy):
         """The fp32 master weights (not DeepSpeed's bf16/fp16 copies of them) cast to export.dtype, gathered one
         parameter at a time on every stage; rank 0 writes shards as they fill: no rank holds the whole model.
         The same weights as `python -m trainer.export` of a checkpoint taken at this step."""
-        from trainer.strategies.base import write_hf_folder_streaming
+        from trainer.hf_export import write_hf_folder_streaming
 
         write_hf_folder_streaming(self.unwrapped().config, tokenizer, out_dir, self._master_tensors(),
                                   dist.get_rank() == 0, dtype=self.cfg.export.dtype)

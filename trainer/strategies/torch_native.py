@@ -441,7 +441,7 @@ class TorchNativeStrategy(Strategy):
 
     # ---- export: one parameter at a time, from whichever stage holds it --------------------------------------
     def export_hf(self, out_dir: str, tokenizer) -> None:
-        from trainer.strategies.base import write_hf_folder_streaming
+        from trainer.hf_export import write_hf_folder_streaming
 
         write_hf_folder_streaming(self.parts[0][1].config, tokenizer, out_dir, self._gathered(), dist.get_rank() == 0,
                                   dtype=self.cfg.export.dtype)

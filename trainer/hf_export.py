@@ -1,0 +1,146 @@
+"""Writing a Hugging Face folder (safetensors + config + tokenizer) atomically: from a whole model, or streamed
+tensor by tensor from a sharded one. Non-finite weights are refused (a diverged model is never exported)."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+
+
+def write_hf_folder_streaming(config, tokenizer, out_dir: str, named_tensors, writer: bool,
+                              max_shard_bytes: int = 2 << 30, dtype=None) -> None:
+    """An HF model folder written one tensor at a time: `named_tensors` yields (name, tensor) on every rank
+    (its iteration may be collective, e.g. gathering one sharded parameter at a time); the writer rank keeps at
+    most one shard (`max_shard_bytes`) in memory, so no rank ever holds the whole model. Atomic like
+    write_hf_folder. `dtype` (fp32 / bf16 / fp16 or a torch dtype; None: as yielded): the writer casts every
+    floating-point tensor to it. config.json's `dtype` states the dtype written."""
+    import json
+
+    from safetensors.torch import save_file
+
+    out_dir = os.path.abspath(out_dir)
+    tmp = out_dir + ".tmp"
+    if writer:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    shard, shard_bytes, files, weight_map, total = {}, 0, [], {}, 0
+
+    def flush():
+        nonlocal shard, shard_bytes
+        if shard:
+            name = f"shard-{len(files):05d}.safetensors"
+            save_file(shard, os.path.join(tmp, name), metadata={"format": "pt"})
+            files.append(name)
+            weight_map.update({k: name for k in shard})
+        shard, shard_bytes = {}, 0
+
+    cast_to, written, non_finite = _export_torch_dtype(dtype), None, []
+    for name, tensor in named_tensors:
+        if not writer or non_finite:
+            continue  # every rank still iterates: the iteration may be collective
+        floating = tensor.is_floating_point()
+        if floating and not bool(torch.isfinite(tensor).all()):
+            non_finite.append(name)
+            continue
+        target = cast_to if floating and cast_to is not None else tensor.dtype
+        if floating and written is None:
+            written = target
+        nbytes = tensor.numel() * target.itemsize
+        if shard and shard_bytes + nbytes > max_shard_bytes:
+            flush()
+        shard[name] = tensor.detach().to("cpu", dtype=target, copy=True).contiguous()
+        shard_bytes += nbytes
+        total += nbytes
+    if not writer:
+        return
+    if non_finite:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise_non_finite(non_finite)
+    flush()
+    if len(files) == 1:
+        os.rename(os.path.join(tmp, files[0]), os.path.join(tmp, "model.safetensors"))
+    else:
+        final = {f: f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i, f in enumerate(files)}
+        for f, g in final.items():
+            os.rename(os.path.join(tmp, f), os.path.join(tmp, g))
+        with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as fh:
+            json.dump({"metadata": {"total_size": total}, "weight_map": {k: final[v] for k, v in weight_map.items()}},
+                      fh, indent=1)
+    config.save_pretrained(tmp)
+    if written is not None:
+        _stamp_config_dtype(tmp, written)
+    tokenizer.save_pretrained(tmp)
+    _replace_folder(tmp, out_dir)
+
+
+def raise_non_finite(names) -> None:
+    from tessera.errors import DivergenceError
+
+    raise DivergenceError(f"the model holds non-finite weights ({len(names)} tensor(s), e.g. {names[0]}): not "
+                          f"exported; export an earlier checkpoint")
+
+
+def write_hf_folder(model, tokenizer, out_dir: str, state_dict=None, dtype=None) -> None:
+    """`model` (or `state_dict`) through save_pretrained. `dtype` (fp32 / bf16 / fp16 or a torch dtype; None: as
+    they are): floating-point tensors are written in it (tied weights stay one tensor), and config.json's `dtype`
+    says so."""
+    out_dir = os.path.abspath(out_dir)
+    tmp = out_dir + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    named = model.state_dict() if state_dict is None else state_dict
+    non_finite = [n for n, v in named.items()
+                  if isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if non_finite:
+        raise_non_finite(non_finite)
+    cast_to = _export_torch_dtype(dtype)
+    if cast_to is not None:
+        cast, same = {}, {}
+        for name, value in (model.state_dict() if state_dict is None else state_dict).items():
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != cast_to:
+                # One cast per storage: tied weights must still share it (save_pretrained drops aliases by pointer).
+                key = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape),
+                       tuple(value.stride()))
+                if key not in same:
+                    same[key] = value.detach().to(cast_to)
+                value = same[key]
+            cast[name] = value
+        state_dict = cast
+    model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
+    if cast_to is not None:
+        _stamp_config_dtype(tmp, cast_to)
+    tokenizer.save_pretrained(tmp)
+    _replace_folder(tmp, out_dir)
+
+
+def _export_torch_dtype(dtype):
+    """fp32 / bf16 / fp16 (export.dtype) or a torch dtype -> torch dtype; None stays None."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"export dtype {dtype!r} is not one of {', '.join(names)}")
+    return names[dtype]
+
+
+def _stamp_config_dtype(folder: str, dtype: torch.dtype) -> None:
+    """config.json's `dtype` = the dtype the weights were written in (the live config is left alone)."""
+    import json
+
+    path = os.path.join(folder, "config.json")
+    with open(path) as fh:
+        data = json.load(fh)
+    data.pop("torch_dtype", None)
+    data["dtype"] = str(dtype).split(".")[-1]
+    with open(path, "w") as fh:
+        fh.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def _replace_folder(tmp: str, out_dir: str) -> None:
+    """Move a finished folder into place: an earlier export stays whole until the new one is complete."""
+    old = out_dir + ".old"
+    if os.path.exists(out_dir):
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(out_dir, old)
+    os.rename(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
