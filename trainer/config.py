@@ -2,216 +2,251 @@
 
 YAML files under conf/ only select and set values; every key must exist here, so unknown keys fail when
 Hydra composes. `validate` then checks the relations between fields and reports every problem at once,
-naming the keys to change, before any process group starts.
+naming the keys to change, before any process group starts. Every key carries its one-line meaning
+(`documented`), from which docs/config.md is generated (`python -m trainer.config_reference --write`).
 """
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from dataclasses import Field, dataclass, field, fields
+from typing import Any, List, Optional, Tuple
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 
+def documented(default: Any, meaning: str) -> Any:
+    """A schema field with its one-line meaning. docs/config.md is generated from these
+    (`python -m trainer.config_reference --write`), and tests/unit/test_docs.py fails on a field without one."""
+    if isinstance(default, list):  # dataclasses refuse a shared mutable default
+        return field(default_factory=lambda: list(default), metadata={"help": meaning})
+    return field(default=default, metadata={"help": meaning})
+
+
+def section(schema: type, meaning: str) -> Any:
+    """A top-level group of the config (model, data, ...) with its one-line meaning."""
+    return field(default_factory=schema, metadata={"help": meaning})
+
+
 @dataclass
 class ModelConfig:
-    # Registry key: "llama" / "gpt2" build a preset from a config with random init; "hf" loads a pretrained
-    # Hugging Face causal LM from `name_or_path` (a local folder or a hub id).
-    kind: str = "llama"
-    name_or_path: Optional[str] = None
-    revision: Optional[str] = None
-    trust_remote_code: bool = False
-    # Tokenizer: "embedded" is the byte-level tokenizer shipped in the code; otherwise a folder or hub id.
-    # For kind=hf, null means the model's own tokenizer.
-    tokenizer: Optional[str] = "embedded"
-    # Attention kernel (Hugging Face's attn_implementation: eager, sdpa, flex_attention, flash_attention_2, ...).
-    # null = chosen from what the model supports (transformers' default: sdpa where the architecture supports
-    # it, else eager, e.g. Gemma-2's softcapped attention); an explicit value is used as given, and one the
-    # model or machine can't run is a config error.
-    attn_implementation: Optional[str] = None
-    # Preset sizes (ignored for kind=hf).
-    hidden_size: int = 256
-    num_layers: int = 4
-    num_heads: int = 8
-    num_kv_heads: Optional[int] = None  # null = num_heads (multi-head attention)
-    intermediate_size: Optional[int] = None  # null = about 8/3 * hidden, rounded up to 64 (llama), 4*hidden (gpt2)
-    max_position_embeddings: int = 1024
-    tie_word_embeddings: bool = False
-    rope_theta: float = 10000.0
-    # Init std of the presets' weights.
-    initializer_range: float = 0.02
+    kind: str = documented("llama", "Registry key: llama or gpt2 build a preset with random init from train.seed; "
+                                    "hf loads a pretrained Hugging Face causal LM from model.name_or_path.")
+    name_or_path: Optional[str] = documented(None, "kind=hf: a local model folder or a hub id.")
+    revision: Optional[str] = documented(None, "Hub revision (branch, tag or commit) of model.name_or_path.")
+    trust_remote_code: bool = documented(False, "Allow code that ships with a hub model to run (off unless set).")
+    tokenizer: Optional[str] = documented("embedded", "embedded: the byte-level tokenizer shipped in the code; "
+                                                      "else a folder or hub id; null (kind=hf): the model's own.")
+    # null leaves the choice to transformers (sdpa where the architecture supports it, else eager, e.g. Gemma-2's
+    # softcapped attention); an explicit value the model or machine can't run is a config error.
+    attn_implementation: Optional[str] = documented(None, "Attention kernel (eager, sdpa, flex_attention, "
+                                                          "flash_attention_2, ...); null = what the model supports.")
+    # Preset sizes; kind=hf takes its own from the model's config.
+    hidden_size: int = documented(256, "Preset: hidden size (ignored for kind=hf).")
+    num_layers: int = documented(4, "Preset: decoder blocks (ignored for kind=hf).")
+    num_heads: int = documented(8, "Preset: attention heads (ignored for kind=hf).")
+    num_kv_heads: Optional[int] = documented(None, "Preset: key/value heads; null = model.num_heads (multi-head "
+                                                   "attention).")
+    intermediate_size: Optional[int] = documented(None, "Preset: MLP width; null = about 8/3 x hidden rounded up "
+                                                        "to 64 (llama), 4 x hidden (gpt2).")
+    max_position_embeddings: int = documented(1024, "Preset: longest sequence the model supports.")
+    tie_word_embeddings: bool = documented(False, "Preset: the LM head shares the input embedding's weight.")
+    rope_theta: float = documented(10000.0, "Preset (llama): RoPE base frequency.")
+    initializer_range: float = documented(0.02, "Preset: init std of the weights.")
 
 
 @dataclass
 class DataConfig:
-    # "embedded" (generated in code, no files), "text" (local text / JSONL / parquet), "hub" (a hub dataset by
-    # name) or "sft" (instruction data: alpaca-style or chat `messages`).
-    kind: str = "embedded"
-    path: Optional[str] = None  # file, folder or glob (text, sft); may be a list separated by commas
-    name: Optional[str] = None  # hub dataset id (kind=hub)
-    config_name: Optional[str] = None
-    split: str = "train"
-    revision: Optional[str] = None
-    text_field: str = "text"
-    seq_len: int = 128
-    val_fraction: float = 0.05  # share of sequences held out for validation (by a seeded permutation)
-    split_seed: int = 0  # seed of the train/validation split (independent of train.seed)
-    cache_dir: Optional[str] = None  # null = $TESSERA_CACHE or ~/.cache/tessera
-    # Embedded corpus size (documents); the default model learns it within a minute.
-    embedded_documents: int = 4000
-    # SFT: chat template override (Jinja); null = tokenizer's own, else Tessera's documented default.
-    chat_template: Optional[str] = None
-    # Cap on documents/records read (null = all); handy for quick runs on big data.
-    max_records: Optional[int] = None
+    kind: str = documented("embedded", "embedded (generated in code, no files), text (local text / JSON(L) / "
+                                       "parquet), hub (a hub dataset by name) or sft (instruction data).")
+    path: Optional[str] = documented(None, "kind=text or sft: a file, folder or glob, or several separated by "
+                                           "commas.")
+    name: Optional[str] = documented(None, "kind=hub: the hub dataset id.")
+    config_name: Optional[str] = documented(None, "kind=hub: the dataset's configuration (subset) name.")
+    split: str = documented("train", "kind=hub: the split to read.")
+    revision: Optional[str] = documented(None, "kind=hub: the dataset's revision (branch, tag or commit).")
+    text_field: str = documented("text", "Field of JSON/JSONL/parquet/hub records that holds the text.")
+    seq_len: int = documented(128, "Tokens per training sequence (documents are packed; SFT examples truncated "
+                                   "and padded).")
+    val_fraction: float = documented(0.05, "Share of the sequences held out for validation (a seeded "
+                                           "permutation).")
+    split_seed: int = documented(0, "Seed of the train/validation split (independent of train.seed).")
+    cache_dir: Optional[str] = documented(None, "Tokenization cache folder; null = $TESSERA_CACHE or "
+                                                "~/.cache/tessera.")
+    # The default model learns 4000 of them within a minute.
+    embedded_documents: int = documented(4000, "kind=embedded: generated documents in the corpus.")
+    chat_template: Optional[str] = documented(None, "kind=sft: chat template (Jinja); null = the tokenizer's "
+                                                    "own, else Tessera's documented default.")
+    max_records: Optional[int] = documented(None, "Cap on documents/records read (null = all), for quick runs on "
+                                                  "big data.")
 
 
 @dataclass
 class StrategyConfig:
-    name: str = "ddp"
-    # Parallel degrees; -1 fills the ranks the others leave. Their product must equal the world size.
-    dp_replicate: int = -1
-    dp_shard: int = 1
-    tp: int = 1
-    pp: int = 1
-    # Pipeline parallelism: schedule (gpipe, 1f1b, interleaved_1f1b, looped_bfs, interleaved_zb, zbv,
-    # dualpipev), stages per rank for the looped/interleaved ones (zbv/dualpipev: 2, V-shaped), and the first
-    # layer of each stage after the first (null: balanced). Micro-batches per step = gradient accumulation.
-    pp_schedule: str = "1f1b"
-    pp_stages_per_rank: int = 2
-    pp_split_points: Optional[List[int]] = None
-    # Tensor parallelism: also split the norms' activations over the sequence (sequence parallelism).
-    sequence_parallel: bool = False
-    deepspeed_config: Optional[str] = None
-    # DeepSpeed ZeRO (strategy=zero1/zero2/zero3/zero3_offload; the group sets zero_stage).
-    zero_stage: int = 0
-    offload_optimizer: str = "none"  # none | cpu | nvme
-    offload_param: str = "none"  # none | cpu | nvme (stage 3 only)
-    nvme_path: Optional[str] = None
-    overlap_comm: bool = True
-    reduce_bucket_size: float = 5e8
-    allgather_bucket_size: float = 5e8
-    stage3_prefetch_bucket_size: float = 5e7
-    stage3_param_persistence_threshold: float = 1e5
-    # FSDP2 (strategy=fsdp / hsdp). true: parameters re-sharded after forward (ZeRO-3-like); false: kept
-    # gathered until backward (ZeRO-2-like, one all-gather per step fewer).
-    reshard_after_forward: bool = True
-    # Mixed precision: dtype of the gathered parameters the blocks compute in, and of the gradient
-    # reduction (null: the precision group's dtype for params, fp32 for the reduction).
-    param_dtype: Optional[str] = None  # null | fp32 | bf16 | fp16
-    reduce_dtype: Optional[str] = None  # null | fp32 | bf16
-    cpu_offload: bool = False  # parameters, gradients and optimizer state on the host; the step runs there
-    # DDP knobs.
-    bucket_cap_mb: float = 25.0
-    find_unused_parameters: bool = False
-    gradient_as_bucket_view: bool = True
+    name: str = documented("ddp", "The strategy; the strategy= group sets it with the degrees that go with it.")
+    # Their product must equal the world size.
+    dp_replicate: int = documented(-1, "Data-parallel replicas (DDP, ZeRO, the replicate dimension of hsdp); -1 "
+                                       "fills the ranks the other degrees leave.")
+    dp_shard: int = documented(1, "FSDP shard degree; -1 fills the ranks the other degrees leave.")
+    tp: int = documented(1, "Tensor-parallel degree; -1 fills the ranks the other degrees leave.")
+    pp: int = documented(1, "Pipeline stages (ranks); -1 fills the ranks the other degrees leave.")
+    # Micro-batches per step (the pipeline's) = gradient accumulation.
+    pp_schedule: str = documented("1f1b", "Pipeline schedule: gpipe, 1f1b, interleaved_1f1b, looped_bfs, "
+                                          "interleaved_zb, zbv or dualpipev.")
+    pp_stages_per_rank: int = documented(2, "Stages per rank of the looped/interleaved schedules (zbv and "
+                                            "dualpipev: 2, V-shaped).")
+    pp_split_points: Optional[List[int]] = documented(None, "First layer of each pipeline stage after the first; "
+                                                            "null = balanced.")
+    sequence_parallel: bool = documented(False, "Tensor parallelism: also split the activations outside "
+                                                "attention/MLP over the sequence.")
+    deepspeed_config: Optional[str] = documented(None, "ZeRO: your own DeepSpeed JSON; HF-style auto values "
+                                                       "are filled from this config, contradictions are errors.")
+    zero_stage: int = documented(0, "ZeRO stage; set by strategy=zero1/zero2/zero3/zero3_offload (leave it as "
+                                    "the group sets it).")
+    offload_optimizer: str = documented("none", "ZeRO: optimizer state in none, cpu or nvme memory.")
+    offload_param: str = documented("none", "ZeRO-3: parameters in none, cpu or nvme memory.")
+    nvme_path: Optional[str] = documented(None, "ZeRO: folder on a fast local disk for nvme offload.")
+    overlap_comm: bool = documented(True, "ZeRO: overlap gradient reduction with backward.")
+    reduce_bucket_size: float = documented(5e8, "ZeRO: elements per gradient reduction bucket.")
+    allgather_bucket_size: float = documented(5e8, "ZeRO-1/2: elements per parameter all-gather bucket.")
+    stage3_prefetch_bucket_size: float = documented(5e7, "ZeRO-3: elements of parameters prefetched ahead of "
+                                                         "use.")
+    stage3_param_persistence_threshold: float = documented(1e5, "ZeRO-3: parameters with fewer elements stay "
+                                                                "whole on every rank.")
+    # true is ZeRO-3-like; false is ZeRO-2-like, one all-gather per step fewer.
+    reshard_after_forward: bool = documented(True, "FSDP: re-shard parameters after forward (false keeps them "
+                                                   "gathered until backward).")
+    param_dtype: Optional[str] = documented(None, "FSDP: dtype of the gathered parameters the blocks compute in "
+                                                  "(fp32, bf16, fp16); null = the precision group's.")
+    reduce_dtype: Optional[str] = documented(None, "FSDP: dtype of the gradient reduction (fp32, bf16); null = "
+                                                   "fp32.")
+    cpu_offload: bool = documented(False, "FSDP (without tp/pp): parameters, gradients and optimizer state on "
+                                          "the host; the optimizer step runs there.")
+    bucket_cap_mb: float = documented(25.0, "DDP: gradient bucket size in MiB.")
+    find_unused_parameters: bool = documented(False, "DDP: allow parameters that get no gradient in a step.")
+    gradient_as_bucket_view: bool = documented(True, "DDP: gradients are views into the buckets (saves a copy).")
 
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"
-    lr: float = 1e-3
-    weight_decay: float = 0.1
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    momentum: float = 0.9  # sgd
-    nesterov: bool = False  # sgd
-    # Kernel: auto (fused where every parameter allows it, else torch's default) | fused | foreach | for_loop.
-    implementation: str = "auto"
+    name: str = documented("adamw", "Optimizer: adamw or sgd.")
+    lr: float = documented(1e-3, "Peak learning rate.")
+    weight_decay: float = documented(0.1, "Weight decay, applied to matrices only.")
+    betas: List[float] = documented([0.9, 0.95], "AdamW: the two moment decay rates.")
+    eps: float = documented(1e-8, "AdamW: added to the denominator.")
+    momentum: float = documented(0.9, "SGD: momentum.")
+    nesterov: bool = documented(False, "SGD: Nesterov momentum.")
+    implementation: str = documented("auto", "Kernel: auto (torch's fused one wherever every parameter allows "
+                                             "it), fused, foreach or for_loop.")
 
 
 @dataclass
 class SchedulerConfig:
-    name: str = "cosine"  # constant | linear | cosine
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.1  # final lr / peak lr for linear and cosine
+    name: str = documented("cosine", "Learning-rate schedule after warmup: constant, linear or cosine.")
+    warmup_steps: int = documented(0, "Steps of linear warmup to optim.lr.")
+    min_lr_ratio: float = documented(0.1, "Final lr / peak lr of the linear and cosine schedules.")
 
 
 @dataclass
 class PrecisionConfig:
-    name: str = "fp32"  # fp32 | bf16 | fp16
-    # fp16 dynamic loss scaling.
-    init_scale: float = 65536.0
-    growth_interval: int = 2000
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
+    name: str = documented("fp32", "fp32, bf16 or fp16 (autocast with fp32 master weights; fp16 with dynamic loss "
+                                   "scaling).")
+    init_scale: float = documented(65536.0, "fp16: initial loss scale.")
+    growth_interval: int = documented(2000, "fp16: steps without overflow before the loss scale grows.")
+    growth_factor: float = documented(2.0, "fp16: factor the loss scale grows by.")
+    backoff_factor: float = documented(0.5, "fp16: factor the loss scale shrinks by after an overflow.")
 
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 120
-    global_batch_size: int = 16  # sequences per optimizer step
-    micro_batch_size: int = 8  # sequences per forward/backward on one data-parallel rank
-    seed: int = 1234
-    log_every: int = 10
-    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping (the norm is still logged)
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    collective_timeout_s: float = 600.0
-    # Recompute each checkpointed decoder block's activations in backward: none | full.
-    activation_checkpointing: str = "none"
-    activation_checkpointing_every: int = 1  # checkpoint every k-th block (1 = all of them)
-    compile: bool = False  # torch.compile each decoder block
-    # Divergence guard: a non-finite loss or gradient norm (or, with loss_spike_factor > 0, a logged loss above
-    # that factor times the mean of the last 20 logged losses) either stops the run (exit code 3; the last
-    # finite checkpoint is kept out of keep_last rotation) or skips the step (no update; counted in
-    # skipped_steps). stop | skip
-    on_nonfinite: str = "stop"
-    loss_spike_factor: float = 0.0  # 0 disables the spike check
+    max_steps: int = documented(120, "Optimizer steps to train.")
+    global_batch_size: int = documented(16, "Sequences per optimizer step (over all ranks and micro-batches).")
+    micro_batch_size: int = documented(8, "Sequences per forward/backward on one data-parallel rank; gradient "
+                                          "accumulation is derived.")
+    seed: int = documented(1234, "Seed of the preset weights, the data order and every rank's RNG.")
+    log_every: int = documented(10, "Steps between metrics.jsonl records (the last step and eval "
+                                     "steps are logged too).")
+    grad_clip: float = documented(1.0, "Max global gradient norm; 0 disables clipping (the norm is still "
+                                       "logged).")
+    device: str = documented("auto", "auto, cpu, cuda or cuda:N.")
+    collective_timeout_s: float = documented(600.0, "Seconds a collective may wait before the run stops with "
+                                                    "exit code 4.")
+    activation_checkpointing: str = documented("none", "none or full: recompute each checkpointed decoder "
+                                                       "block's activations in backward.")
+    activation_checkpointing_every: int = documented(1, "Checkpoint every k-th decoder block (1 = all of them).")
+    compile: bool = documented(False, "torch.compile each decoder block (not with ZeRO, nor under pp).")
+    # The spike check compares a logged loss with the mean of the last 20 logged losses; the last finite
+    # checkpoint is kept out of keep_last rotation when the run stops.
+    on_nonfinite: str = documented("stop", "A non-finite loss or gradient norm (or a loss spike): stop (exit "
+                                           "code 3) or skip the step.")
+    loss_spike_factor: float = documented(0.0, "A logged loss above this factor times the recent mean counts as "
+                                               "divergence; 0 disables the check.")
 
 
 @dataclass
 class EvalConfig:
-    every: int = 40  # 0 disables periodic eval
-    max_sequences: int = 256  # validation sequences evaluated each time (0 = all)
-    at_end: bool = True
-    at_start: bool = False  # evaluate the initial model too (logged as step 0 in eval.jsonl)
+    every: int = documented(40, "Steps between validation evaluations; 0 disables periodic eval.")
+    max_sequences: int = documented(256, "Validation sequences evaluated each time (0 = all).")
+    at_end: bool = documented(True, "Evaluate after the last step.")
+    at_start: bool = documented(False, "Evaluate the initial model too (step 0 in eval.jsonl).")
 
 
 @dataclass
 class CheckpointConfig:
-    every: int = 0  # 0: no periodic checkpoints
-    keep_last: int = 2
-    resume: str = "none"  # auto | none | <path of a checkpoint, a checkpoints folder or a run directory>
-    async_save: bool = False  # write in the background; the step is blocked only while tensors are copied
-    at_end: bool = True  # save when training ends (also when stopped by SIGTERM/SIGINT)
-    load_weights_only: bool = False  # resume=<path>: take the model weights only and start a new run at step 0
-    # A new run (resume=none) in a run directory that holds another run's checkpoints is refused; true moves that
-    # run's files aside (to <run dir>/previous-<time>/) first.
-    overwrite: bool = False
+    every: int = documented(0, "Steps between checkpoints; 0: no periodic checkpoints.")
+    keep_last: int = documented(2, "Checkpoints kept (older ones are removed); 0 keeps all.")
+    resume: str = documented("none", "none, auto (the newest complete checkpoint of the run directory) or a "
+                                     "path: a step_<N> folder, a checkpoints folder or a run directory.")
+    async_save: bool = documented(False, "Write checkpoints in the background; the step waits only while tensors "
+                                         "are copied.")
+    at_end: bool = documented(True, "Save when training ends (also when stopped by SIGTERM/SIGINT).")
+    load_weights_only: bool = documented(False, "Take only the model weights of checkpoint.resume and start a new "
+                                                "run at step 0.")
+    # Without it a new run in a folder that holds another run's checkpoints or logs is refused.
+    overwrite: bool = documented(False, "A new run moves another run's files in its run directory aside to "
+                                        "previous-<time>/ first.")
 
 
 @dataclass
 class LoggingConfig:
-    progress: bool = True  # progress bar on rank 0
-    tensorboard: bool = False
-    # Dense bf16 peak of one device in TFLOP/s for MFU; null = known GPUs are detected, CPU gives no MFU.
-    peak_tflops: Optional[float] = None
-    # Measure the model-state memory (parameters, gradients, optimizer state, per rank) in the first step and write
-    # <run dir>/memory.json: opt-in, since it probes the first step.
-    memory_report: bool = False
+    progress: bool = documented(True, "Progress bar on rank 0.")
+    tensorboard: bool = documented(False, "Also write TensorBoard events to <run dir>/tensorboard/.")
+    peak_tflops: Optional[float] = documented(None, "Dense bf16 peak of one device in TFLOP/s for MFU; null = "
+                                                    "known GPUs are detected, CPU gives no MFU.")
+    # Opt-in, since it probes the first step.
+    memory_report: bool = documented(False, "Measure the first step's model-state memory per rank and write "
+                                            "<run dir>/memory.json.")
 
 
 @dataclass
 class ExportConfig:
-    hf_at_end: bool = True  # write <run dir>/hf at the end of training
-    # dtype of the exported weights (hf/ and `python -m trainer.export`): the fp32 master weights cast to it.
-    dtype: str = "fp32"  # fp32 | bf16 | fp16
+    hf_at_end: bool = documented(True, "Write the final model to <run dir>/hf/ as a Hugging Face folder.")
+    dtype: str = documented("fp32", "dtype of exported weights (hf/ and python -m trainer.export): fp32, bf16 or "
+                                    "fp16, cast from the fp32 master weights.")
 
 
 @dataclass
 class TesseraConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    strategy: StrategyConfig = field(default_factory=StrategyConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    export: ExportConfig = field(default_factory=ExportConfig)
+    model: ModelConfig = section(ModelConfig, "The model: a preset built from this config, or a pretrained "
+                                              "Hugging Face causal LM (model=hf).")
+    data: DataConfig = section(DataConfig, "Training and validation data and its tokenization.")
+    strategy: StrategyConfig = section(StrategyConfig, "How the model is spread over the ranks: parallel "
+                                                       "degrees and each backend's knobs.")
+    optim: OptimConfig = section(OptimConfig, "The optimizer.")
+    scheduler: SchedulerConfig = section(SchedulerConfig, "The learning-rate schedule.")
+    precision: PrecisionConfig = section(PrecisionConfig, "Compute precision and fp16 loss scaling.")
+    train: TrainConfig = section(TrainConfig, "Steps, batch sizes, seed, device and the divergence guard.")
+    eval: EvalConfig = section(EvalConfig, "Validation loss and perplexity on the held-out split.")
+    checkpoint: CheckpointConfig = section(CheckpointConfig, "Saving, keeping and resuming checkpoints.")
+    logging: LoggingConfig = section(LoggingConfig, "Console, TensorBoard, MFU and memory reporting.")
+    export: ExportConfig = section(ExportConfig, "The Hugging Face export of the final model.")
+
+
+def schema_fields() -> List[Tuple[str, Field]]:
+    """Every key of the schema as ("section.key", its dataclass field), in declaration order."""
+    return [(f"{group.name}.{key.name}", key)
+            for group in fields(TesseraConfig) for key in fields(group.default_factory)]
 
 
 def register_configs() -> None:
