@@ -1,0 +1,334 @@
+"""Shared plumbing of the benchmark scripts: run the trainer through its launcher and collect what it writes
+(metrics.jsonl, memory.json, its log), the run-shape overrides, argument parsing, Markdown tables, JSON results.
+
+Run as a script, this file is the per-rank entry of a probed run (`launcher_command(..., script=PROBE)` with
+TESSERA_BENCH_PROBE=<folder>): it runs trainer/main.py unchanged and, between the trainer's steps, counts the
+bytes handed to collectives (one TorchDispatchMode over the c10d and functional-collective ops, which is where
+Python calls, DDP's C++ reducer and DeepSpeed's calls all end up) and times pipeline stages' compute in one step.
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import os
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+PROBE = os.path.abspath(__file__)
+
+# Every benchmark run: no eval, checkpoints, export, progress bar or TensorBoard; constant lr; a record per step.
+QUIET = ["eval.every=0", "eval.at_start=false", "eval.at_end=false", "export.hf_at_end=false",
+         "checkpoint.every=0", "checkpoint.at_end=false", "checkpoint.resume=none", "logging.progress=false",
+         "logging.tensorboard=false", "scheduler=constant", "scheduler.warmup_steps=0", "train.log_every=1"]
+# --quick: the tiny preset shrunk to a debug size (0.11M parameters): seconds of compute per run.
+DEBUG_MODEL = ["model=tiny", "model.hidden_size=64", "model.num_layers=2", "model.num_heads=4",
+               "model.num_kv_heads=2", "model.intermediate_size=128", "data.embedded_documents=400"]
+
+
+class RunFailed(Exception):
+    """A benchmark run that did not finish; the message has the command and the output's tail."""
+
+
+def fail(script: str, message: str) -> None:
+    print(f"{script}: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Arguments shared by the scripts
+# ---------------------------------------------------------------------------------------------------------------
+def shape_parser(doc: str, full: dict, quick: dict) -> argparse.ArgumentParser:
+    """The run-shape options every script has; `full` / `quick` are the defaults without / with --quick."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.set_defaults(full=full, quick_defaults=quick)
+    ap.add_argument("--quick", action="store_true", help="debug-size model, few steps (what the tests run)")
+    ap.add_argument("--model", help=f"preset in conf/model (default {full['model']}; --quick: a debug-size tiny)")
+    ap.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help=f"default {full['precision']}")
+    ap.add_argument("--seq-len", type=int, help=f"default {full['seq_len']} (--quick {quick['seq_len']})")
+    ap.add_argument("--global-batch", type=int, help=f"sequences per optimizer step (default {full['global_batch']})")
+    ap.add_argument("--micro-batch", type=int, help=f"sequences per rank per forward (default {full['micro_batch']})")
+    ap.add_argument("--warmup", type=int, help=f"steps not measured (default {full['warmup']})")
+    ap.add_argument("--steps", type=int, help=f"measured steps (default {full['steps']})")
+    ap.add_argument("--threads", type=int, default=1, help="OMP threads per process (default 1)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra Hydra override")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per run (default 900)")
+    ap.add_argument("--out", help="write every figure as JSON here")
+    return ap
+
+
+def finish_shape(ap: argparse.ArgumentParser, a) -> argparse.Namespace:
+    """Fill the shape defaults and check them; bad values stop with one message (exit 2)."""
+    defaults = a.quick_defaults if a.quick else a.full
+    for key, value in defaults.items():
+        if getattr(a, key, None) is None:
+            setattr(a, key, value)
+    if a.warmup < 1 or a.steps < 1:
+        ap.error("--warmup and --steps must be >= 1")
+    if a.global_batch % a.micro_batch:
+        ap.error("--global-batch must be a multiple of --micro-batch")
+    return a
+
+
+def shape_overrides(a) -> list:
+    """Hydra overrides of the run shape (model, precision, batch, steps) plus QUIET and --set."""
+    model = DEBUG_MODEL if a.quick and a.model == a.quick_defaults["model"] else [f"model={a.model}"]
+    return [*model, f"precision={a.precision}", f"data.seq_len={a.seq_len}",
+            f"train.global_batch_size={a.global_batch}", f"train.micro_batch_size={a.micro_batch}",
+            f"train.max_steps={a.warmup + a.steps}", *QUIET, *a.set]
+
+
+def compose(overrides) -> object:
+    """The trainer's config (a dataclass tree) for these overrides, composed as trainer/main.py does."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from trainer.cli import register_resolvers
+    from trainer.config import register_configs, to_object
+
+    register_resolvers()
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=os.path.join(REPO, "conf"), version_base=None):
+        return to_object(hydra_compose(config_name="config", overrides=[o for o in overrides
+                                                                          if not o.startswith("hydra.")]))
+
+
+def thread_env(threads: int) -> dict:
+    return dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+                TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Running the trainer
+# ---------------------------------------------------------------------------------------------------------------
+def run_trainer(overrides, nproc: int, run_dir: str, env: dict, timeout: float, probe: bool = False) -> dict:
+    """One training run of trainer/main.py on `nproc` local processes through the launcher launch.sh would
+    pick for these overrides. Returns its metrics.jsonl records, memory.json (or None), each rank's probe
+    file (probe=True), its output and `launch_time` (time.time() just before the launcher started)."""
+    from trainer.launch_plan import launcher_command, launcher_for, run_process_group
+
+    launcher = launcher_for(overrides)
+    if launcher == "torchrun":
+        launcher = "torchrun-quiet"
+    if launcher == "python" and nproc != 1:
+        raise RunFailed(f"this strategy runs as one process, not {nproc}")
+    env = dict(env)
+    if probe:
+        env["TESSERA_BENCH_PROBE"] = run_dir
+    cmd = [*launcher_command(launcher, nproc, script=PROBE if probe else _main()),
+           *overrides, f"hydra.run.dir={run_dir}"]
+    launch_time = time.time()
+    done = run_process_group(cmd, env=env, timeout=timeout)
+    output = done.stdout + done.stderr
+    with open(os.path.join(os.path.dirname(run_dir), os.path.basename(run_dir) + ".log"), "w") as fh:
+        fh.write(" ".join(cmd) + "\n" + output)
+    if done.returncode != 0:
+        tail = [ln for ln in output.strip().splitlines() if ln.strip()][-6:]
+        raise RunFailed(f"exit {done.returncode}: " + " | ".join(tail))
+    metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    memory_path = os.path.join(run_dir, "memory.json")
+    memory = json.load(open(memory_path)) if os.path.exists(memory_path) else None
+    probes = []
+    for rank in range(nproc if probe else 0):
+        path = os.path.join(run_dir, f"probe-rank{rank}.json")
+        probes.append(json.load(open(path)) if os.path.exists(path) else None)
+    return {"metrics": metrics, "memory": memory, "probes": probes, "output": output,
+            "launch_time": launch_time, "seconds": done.seconds, "launcher": launcher}
+
+
+def _main() -> str:
+    from trainer.launch_plan import MAIN
+
+    return MAIN
+
+
+def read_jsonl(path: str) -> list:
+    with open(path) as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def tokens_per_s(records, warmup: int) -> float:
+    """Target tokens of the logged steps after `warmup` over their summed step time (records of one step each:
+    train.log_every=1; the time a record covers is its tokens / tokens_per_s)."""
+    tokens, seconds, before = 0, 0.0, {r["step"]: r["tokens"] for r in records}
+    for r in records:
+        if r["step"] > warmup and r["tokens_per_s"] > 0:
+            n = r["tokens"] - before.get(r["step"] - 1, 0)
+            tokens, seconds = tokens + n, seconds + n / r["tokens_per_s"]
+    return tokens / seconds if seconds else 0.0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reporting
+# ---------------------------------------------------------------------------------------------------------------
+def markdown_table(headers, rows) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_json(path, result) -> None:
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as fh:
+            json.dump(result, fh, indent=2)
+        print(f"wrote {path}")
+
+
+def mib(n) -> str:
+    return f"{n / 2**20:.2f}" if n is not None else "—"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The probe (inside every rank of a probed run)
+# ---------------------------------------------------------------------------------------------------------------
+# op name -> (kind, index of the argument whose tensors are counted, or None: the op's result). All-gathers count
+# their full output, reduce-scatters their full input, everything else the tensor handed over.
+C10D_OPS = {
+    "allreduce_": ("all_reduce", 0), "allreduce_coalesced_": ("all_reduce", 0), "reduce_": ("reduce", 0),
+    "broadcast_": ("broadcast", 0), "allgather_": ("all_gather", 0), "_allgather_base_": ("all_gather", 0),
+    "allgather_coalesced_": ("all_gather", 0), "allgather_into_tensor_coalesced_": ("all_gather", 0),
+    "reduce_scatter_": ("reduce_scatter", 1), "_reduce_scatter_base_": ("reduce_scatter", 1),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1), "alltoall_": ("all_to_all", 1),
+    "alltoall_base_": ("all_to_all", 1), "gather_": ("gather", 1), "scatter_": ("scatter", 0),
+    "send": ("p2p", 0), "recv_": ("p2p", 0), "recv_any_source_": ("p2p", 0),
+}
+FUNCTIONAL_OPS = {
+    "all_reduce": ("all_reduce", 0), "all_reduce_": ("all_reduce", 0), "all_reduce_coalesced": ("all_reduce", 0),
+    "all_reduce_coalesced_": ("all_reduce", 0), "all_gather_into_tensor": ("all_gather", None),
+    "all_gather_into_tensor_out": ("all_gather", None), "all_gather_into_tensor_coalesced": ("all_gather", None),
+    "reduce_scatter_tensor": ("reduce_scatter", 0), "reduce_scatter_tensor_coalesced": ("reduce_scatter", 0),
+    "all_to_all_single": ("all_to_all", 0), "broadcast": ("broadcast", 0), "broadcast_": ("broadcast", 0),
+}
+
+
+def _tensors(x):
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for item in x:
+            yield from _tensors(item)
+
+
+def collective_counter():
+    """A TorchDispatchMode that adds up, per collective kind, the calls, elements and bytes of every c10d and
+    functional collective op dispatched while it is active (on this thread and the autograd threads that
+    inherit it)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CollectiveCounter(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.counts = {}  # kind -> [calls, elements, bytes]
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(t not in (torch.Tensor, torch.nn.Parameter) for t in types):
+                return NotImplemented  # a tensor subclass (DTensor) first turns itself into plain-tensor ops
+            out = func(*args, **(kwargs or {}))
+            packet = getattr(func, "_overloadpacket", None)
+            namespace = getattr(packet, "_qualified_op_name", "").split("::")[0]
+            table = {"c10d": C10D_OPS, "_c10d_functional": FUNCTIONAL_OPS}.get(namespace)
+            name = getattr(packet, "__name__", "")
+            if table is not None and name in table:
+                kind, index = table[name]
+                counted = list(_tensors(out if index is None else args[index]))
+                entry = self.counts.setdefault(kind, [0, 0, 0])
+                entry[0] += 1
+                entry[1] += sum(t.numel() for t in counted)
+                entry[2] += sum(t.numel() * t.element_size() for t in counted)
+            return out
+
+    return CollectiveCounter()
+
+
+class Probe:
+    """Counts collectives in steps 3 .. `count_until` (one counter per step, entered after the trainer logged
+    the step before and left after it logged this one; step 2 holds the first step's memory report), times the
+    pipeline stages' compute in step `profile_step`, and writes <run dir>/probe-rank<R>.json at exit."""
+
+    def __init__(self, out_dir: str, count_until: int, profile_step: int):
+        self.out_dir, self.count_until, self.profile_step = out_dir, count_until, profile_step
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.counter, self.steps, self.spans, self.profile = None, {}, None, None
+        if profile_step:
+            self._time_pipeline_compute()
+
+    def _time_pipeline_compute(self) -> None:
+        # Schedule1F1B marks no profiler ranges (only GPipe and the multi-stage runtime do), so the stage's own
+        # compute entry points are timed: forward, backward (input and weight parts) of one micro-batch.
+        from torch.distributed.pipelining.stage import _PipelineStageBase
+
+        for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+            def timed(self_, *args, _original=getattr(_PipelineStageBase, name), **kwargs):
+                t0 = time.time()
+                try:
+                    return _original(self_, *args, **kwargs)
+                finally:
+                    if self.spans is not None:
+                        self.spans.append((t0, time.time()))
+            setattr(_PipelineStageBase, name, timed)
+
+    def after_step(self, step: int) -> None:
+        if self.counter is not None:
+            self.counter.__exit__(None, None, None)
+            self.steps[step] = self.counter.counts
+            self.counter = None
+        if self.spans is not None:
+            spans, self.spans = self.spans, None
+            self.profile = {"compute_start": min((a for a, _ in spans), default=None),
+                            "compute_end": max((b for _, b in spans), default=None),
+                            "compute_busy_s": _union_length(spans), "compute_calls": len(spans)}
+        if 2 <= step < self.count_until:
+            self.counter = collective_counter()
+            self.counter.__enter__()
+        elif step + 1 == self.profile_step:
+            self.spans = []
+
+    def dump(self) -> None:
+        if self.counter is not None:
+            self.counter.__exit__(None, None, None)
+        with open(os.path.join(self.out_dir, f"probe-rank{self.rank}.json"), "w") as fh:
+            json.dump({"rank": self.rank, "collectives_by_step": self.steps, "profile": self.profile}, fh)
+
+
+def _union_length(spans) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def probe_main() -> None:
+    """Per-rank entry of a probed run: install the probe, then run trainer/main.py with this rank's arguments."""
+    import runpy
+
+    from trainer.metrics import MetricsLogger
+
+    out_dir = os.environ["TESSERA_BENCH_PROBE"]
+    probe = Probe(out_dir, count_until=int(os.environ.get("TESSERA_BENCH_COUNT_UNTIL", "4")),
+                  profile_step=int(os.environ.get("TESSERA_BENCH_PROFILE_STEP", "0")))
+    advance = MetricsLogger.advance
+
+    def advance_and_probe(self, step, record):
+        advance(self, step, record)
+        probe.after_step(step)
+
+    MetricsLogger.advance = advance_and_probe
+    atexit.register(lambda: os.path.isdir(out_dir) and probe.dump())
+    main = _main()
+    sys.argv = [main, *sys.argv[1:]]
+    runpy.run_path(main, run_name="__main__")
+
+
+if __name__ == "__main__":
+    probe_main()

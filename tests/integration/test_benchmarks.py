@@ -1,0 +1,83 @@
+"""The benchmark scripts (benchmarks/) in their cheapest modes: a debug-size model, a few steps, N <= 2. Timings on
+a shared CPU machine mean little, so figures are checked for existence and sanity; collective volumes, which do not
+depend on the machine, are checked against the ZeRO paper's formulas."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH = REPO / "benchmarks"
+
+
+def _run(args, timeout: float, expect: int = 0):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    proc = subprocess.run([sys.executable, *map(str, args)], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == expect, \
+        f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-4000:]}"
+    return proc
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_throughput_against_bare_loop_and_hf_trainer(tmp_path):
+    out = tmp_path / "t.json"
+    proc = _run([BENCH / "bench_throughput.py", "--quick", "--out", out], timeout=300)
+    result = json.loads(out.read_text())
+    assert set(result["tokens_per_s"]) == {"tessera", "bare", "hf"}
+    assert all(_positive(v) for v in result["tokens_per_s"].values())
+    assert _positive(result["ratio"]["bare"]) and _positive(result["ratio"]["hf"])
+    assert "| Tessera trainer |" in proc.stdout
+
+
+def test_matrix_reports_every_requested_row(tmp_path):
+    out = tmp_path / "m.json"
+    proc = _run([BENCH / "bench_matrix.py", "--quick", "--strategies", "single,ddp,fsdp,pp", "--world-sizes", "2",
+                 "--out", out], timeout=600)
+    rows = {(r["strategy"], r["world_size"]): r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {("single", 2), ("ddp", 2), ("fsdp", 2), ("pp", 2)}
+    assert "not_run" in rows["single", 2]  # one process only: listed with the reason, not run
+    for key in (("ddp", 2), ("fsdp", 2), ("pp", 2)):
+        row = rows[key]
+        assert "error" not in row, row.get("error")
+        assert _positive(row["tokens_per_s"]) and _positive(row["launch_to_first_step_s"])
+        assert _positive(row["memory"]["model_states"])
+        assert _positive(row["checkpoint"]["mib"])
+    psi = rows["ddp", 2]["num_params"]
+    ddp = rows["ddp", 2]["collectives"]
+    # DDP at one micro-batch per step: one all-reduce of every fp32 gradient, 2Ψ in the paper's volume.
+    assert ddp["steady"] is True
+    assert ddp["volume_bytes"] == pytest.approx(2 * psi * 4, rel=0.02), ddp
+    assert ddp["volume_psi"] == pytest.approx(2.0, rel=0.02) and ddp["theory_psi"] == 2.0
+    fsdp = rows["fsdp", 2]["collectives"]  # all-gather in forward and backward, reduce-scatter of the gradients
+    assert fsdp["volume_psi"] == pytest.approx(3.0, rel=0.05), fsdp
+    pipe = rows["pp", 2]["pipeline"]
+    assert pipe["theory"] == pytest.approx(1 / 3)  # (p-1)/(m+p-1), p = m = 2
+    assert all(0 <= idle < 1 for idle in pipe["idle_per_rank"]) and 0 < pipe["idle"] < 1
+    assert "| ddp | 2 |" in proc.stdout
+
+
+def test_matrix_rejects_an_unknown_strategy():
+    proc = _run([BENCH / "bench_matrix.py", "--quick", "--strategies", "ddp,zero9"], timeout=60, expect=2)
+    assert "unknown strategies ['zero9']" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_gpu_script_dry_run_prints_the_plan():
+    proc = _run([BENCH / "bench_gpu.py", "--dry-run", "--nproc", "8"], timeout=180)
+    out = proc.stdout
+    assert "0.5b: 0.50B" in out and "1b: 0.97B" in out
+    cmds = [ln for ln in out.splitlines() if "trainer/main.py" in ln]
+    assert len(cmds) == 6  # 2 sizes x (fsdp, fsdp + compile, zero3)
+    assert all("precision=bf16" in c and ("--nproc_per_node=8" in c or "--num_gpus 8" in c) for c in cmds)
+    assert sum("train.compile=true" in c for c in cmds) == 2
+    assert sum("strategy=zero3" in c and "deepspeed" in c for c in cmds) == 2
