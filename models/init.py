@@ -20,6 +20,7 @@ from torch import nn
 def decoder_blocks(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     """(qualified name, module) of the model's repeated blocks: the outermost modules whose class is in the
     model's `_no_split_modules` (Hugging Face's own list of modules that must stay whole)."""
+    # transformers exposes this list only as the underscore class attribute; no public accessor exists.
     block_classes = set(getattr(model, "_no_split_modules", None) or ())
     roots = []
     for name, module in model.named_modules():
@@ -57,6 +58,8 @@ def _init_fn(model: nn.Module):
             if id(candidate) in owners:
                 owner = candidate
                 break
+        # transformers' per-module init has no public form (initialize_weights runs over the whole model once,
+        # guarded by flags it sets); the private method is called here only.
         owner._init_weights(module)
 
     return fn
@@ -67,7 +70,9 @@ def meta_model(hf_config) -> nn.Module:
     `from_config` would build under DeepSpeed's partitioned init while a ZeRO-3 config is active."""
     from transformers import AutoModelForCausalLM
 
-    model_class = AutoModelForCausalLM._model_mapping.get(type(hf_config), None)
+    from models.registry import causal_lm_class
+
+    model_class = causal_lm_class(hf_config)
     with torch.device("meta"):
         if model_class is None:  # remote code: only from_config knows the class
             return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
@@ -90,16 +95,14 @@ def initial_weights(hf_config, seed: int) -> Iterator[Dict[str, torch.Tensor]]:
     for unit_name, modules in units:
         originals, fresh = [], {}
         for mod_name, module in modules:
-            for kind in ("_parameters", "_buffers"):
-                for key, t in getattr(module, kind).items():
-                    if t is None:
-                        continue
+            for is_param, own in ((True, module.named_parameters(recurse=False, remove_duplicate=False)),
+                                  (False, module.named_buffers(recurse=False, remove_duplicate=False))):
+                for key, t in list(own):
                     if id(t) not in fresh:
                         value = torch.full(t.shape, float("nan"), dtype=torch.float32)
-                        fresh[id(t)] = nn.Parameter(value, requires_grad=t.requires_grad) \
-                            if kind == "_parameters" else value
-                    originals.append((module, kind, key, t))
-                    getattr(module, kind)[key] = fresh[id(t)]
+                        fresh[id(t)] = nn.Parameter(value, requires_grad=t.requires_grad) if is_param else value
+                    originals.append((module, is_param, key, t))
+                    setattr(module, key, fresh[id(t)])
         rng = torch.random.get_rng_state()
         torch.manual_seed(zlib.crc32(f"{seed}:{unit_name or '<root>'}".encode()))
         try:
@@ -108,19 +111,19 @@ def initial_weights(hf_config, seed: int) -> Iterator[Dict[str, torch.Tensor]]:
         finally:
             torch.random.set_rng_state(rng)
         values = {}
-        for module, kind, key, t in originals:
-            new = getattr(module, kind)[key]
+        for module, is_param, key, t in originals:
+            new = getattr(module, key)
             if id(t) in seen:
                 continue
             seen.add(id(t))
             if torch.isnan(new).any():
-                if kind == "_parameters":
+                if is_param:
                     raise RuntimeError(f"{type(model).__name__}._init_weights left {key!r} of "
                                        f"{type(module).__name__} unset; this model cannot be initialized by units")
                 continue  # a buffer _init_weights does not set: the one built in __init__ stays
             values[names[id(t)]] = new.detach()
-        for module, kind, key, t in originals:
-            getattr(module, kind)[key] = t  # back to meta: one unit in memory at a time
+        for module, is_param, key, t in originals:
+            setattr(module, key, t)  # back to meta: one unit in memory at a time
         yield values
 
 
@@ -130,9 +133,8 @@ def shared_parameters(model: nn.Module) -> list:
     parallelizing step that gives each module a new parameter object must tie again (`retie`)."""
     holders = {}
     for module in model.modules():
-        for key, p in module._parameters.items():
-            if p is not None:
-                holders.setdefault(id(p), []).append((module, key))
+        for key, p in module.named_parameters(recurse=False, remove_duplicate=False):
+            holders.setdefault(id(p), []).append((module, key))
     return [h for h in holders.values() if len(h) > 1]
 
 
@@ -141,7 +143,7 @@ def retie(ties: list) -> None:
     for holders in ties:
         first_module, first_key = holders[0]
         for module, key in holders[1:]:
-            module._parameters[key] = first_module._parameters[first_key]
+            setattr(module, key, getattr(first_module, first_key))
 
 
 def named_tensors(model: nn.Module) -> Dict[str, torch.Tensor]:

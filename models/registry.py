@@ -32,7 +32,7 @@ class ModelInfo:
 @dataclass(frozen=True)
 class ModelSpec:
     kind: str
-    make_config: Callable  # (model_cfg, tokenizer) -> PretrainedConfig
+    make_config: Callable  # (model_cfg, tokenizer) -> PretrainedConfig, with model_cfg.attn_implementation if set
     pretrained: bool
 
 
@@ -56,6 +56,26 @@ def _padded_vocab(tokenizer) -> int:
     return (n + VOCAB_MULTIPLE - 1) // VOCAB_MULTIPLE * VOCAB_MULTIPLE
 
 
+def causal_lm_class(hf_config):
+    """The transformers class AutoModelForCausalLM builds for `hf_config`, or None (remote code: only
+    `from_config` with trust_remote_code knows it)."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING.get(type(hf_config), None)
+
+
+def _attention(m) -> dict:
+    """Config keyword arguments for an explicit model.attn_implementation; null leaves it to transformers (what
+    the model supports)."""
+    return {"attn_implementation": m.attn_implementation} if m.attn_implementation else {}
+
+
+def attention_implementation(hf_config):
+    """The attention kernel a config (of a built model: the one transformers settled on) selects. transformers
+    has no public getter for it: its private property is read here only."""
+    return hf_config._attn_implementation
+
+
 def _llama_config(m, tokenizer):
     from transformers import LlamaConfig
 
@@ -66,7 +86,7 @@ def _llama_config(m, tokenizer):
         num_key_value_heads=m.num_kv_heads or m.num_heads, max_position_embeddings=m.max_position_embeddings,
         rope_theta=m.rope_theta, tie_word_embeddings=m.tie_word_embeddings, initializer_range=m.initializer_range,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        pad_token_id=tokenizer.pad_token_id, **_attention(m),
     )
 
 
@@ -81,7 +101,7 @@ def _gpt2_config(m, tokenizer):
         tie_word_embeddings=m.tie_word_embeddings, initializer_range=m.initializer_range,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         # Dropout off: the numbers must not depend on the dropout RNG of each rank.
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **_attention(m),
     )
 
 
@@ -90,7 +110,7 @@ def _hf_config(m, tokenizer):
 
     try:
         return AutoConfig.from_pretrained(m.name_or_path, revision=m.revision,
-                                          trust_remote_code=m.trust_remote_code)
+                                          trust_remote_code=m.trust_remote_code, **_attention(m))
     except Exception as e:  # noqa: BLE001 - transformers raises many types; the user needs one message
         raise ModelError("model.name_or_path: " + load_message("model config", m.name_or_path, e)) from None
 
@@ -158,8 +178,6 @@ def describe(m, tokenizer) -> ModelInfo:
         raise ModelError(f"model: the {m.kind} config from model.* is invalid: {first}") from None
     if get_spec(m.kind).pretrained:
         _require_causal_decoder(m, hf_config)
-    if m.attn_implementation:  # an explicit choice; null leaves it to transformers (what the model supports)
-        hf_config._attn_implementation = m.attn_implementation
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
 
     def first(*names, default=None):
@@ -185,7 +203,6 @@ def _require_causal_decoder(m, hf_config) -> None:
     """Refuse a model that is not a causal decoder (before any process group starts). A causal LM class alone
     is not enough: transformers maps BERT-likes to a `...LMHeadModel`/`...ForCausalLM` that only works as a
     decoder (`is_decoder=True`), and BART-likes to the decoder half of an encoder-decoder."""
-    from transformers import AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
     model_type = getattr(hf_config, "model_type", None) or type(hf_config).__name__
@@ -195,7 +212,7 @@ def _require_causal_decoder(m, hf_config) -> None:
     elif model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not (
             getattr(hf_config, "is_decoder", False) or getattr(hf_config, "causal", False)):
         why = "but a bidirectional encoder (its config has is_decoder=false)"
-    elif type(hf_config) not in AutoModelForCausalLM._model_mapping and \
+    elif causal_lm_class(hf_config) is None and \
             "AutoModelForCausalLM" not in (getattr(hf_config, "auto_map", None) or {}):
         why = "and transformers has no causal LM class for it"
     if why:

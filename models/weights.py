@@ -142,13 +142,14 @@ class PretrainedWeights:
             from transformers import AutoConfig, AutoModelForCausalLM
 
             from models.init import meta_model
+            from models.registry import causal_lm_class
 
             trust = bool(getattr(self._m, "trust_remote_code", False))
             where, kwargs = self.folder, {}
             if trust and not os.path.isdir(self.name_or_path):  # remote code lives next to the hub config
                 where, kwargs = self.name_or_path, {"revision": getattr(self._m, "revision", None)}
             config = AutoConfig.from_pretrained(where, trust_remote_code=trust, **kwargs)
-            if AutoModelForCausalLM._model_mapping.get(type(config), None) is None and trust:
+            if causal_lm_class(config) is None and trust:
                 with torch.device("meta"):  # remote code: only from_config knows the class
                     model = AutoModelForCausalLM.from_config(config, trust_remote_code=True)
             else:

@@ -29,6 +29,7 @@ import re
 import shutil
 import time
 import warnings
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -288,13 +289,43 @@ def _fsync_dir(path: str) -> None:
         pass
 
 
-class CheckpointManager:
-    """save(step) / load(path) / wait() / close(); the strategy supplies the sharded state."""
+@dataclass
+class TrainingProgress:
+    """The counters a checkpoint carries for the loop: optimizer steps done, target tokens seen, skipped steps."""
 
-    def __init__(self, run):
-        self.run = run
-        self.cfg = run.cfg.checkpoint
-        self.root = os.path.join(run.run_dir, "checkpoints")
+    step: int = 0
+    tokens_seen: int = 0
+    skipped_steps: int = 0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.tokens_seen, self.skipped_steps = state["step"], state["tokens_seen"], state["skipped_steps"]
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    """What a checkpoint records about the run that saved it and that resuming checks: fixed for the run's life."""
+
+    cfg: object  # the resolved TesseraConfig: config.yaml, and the optimizer, batch and strategy it names
+    data_fingerprint: str
+    model_shapes: Dict[str, list]
+    model_desc: str
+    tokenizer: object  # saved beside the model's config (hf_config/) for `python -m trainer.export`
+
+
+class CheckpointManager:
+    """save(step) / load(path) / wait() / close(). The strategy saves and loads the model and optimizer tensors;
+    the scheduler, the loss scaler (`strategy.precision`), the sampler's position and the progress counters go
+    into meta.json, each through its own state_dict()."""
+
+    def __init__(self, run_dir: str, strategy, scheduler, sampler, progress: TrainingProgress, identity: RunIdentity,
+                 logger):
+        self.strategy, self.scheduler, self.sampler, self.progress = strategy, scheduler, sampler, progress
+        self.identity, self.logger = identity, logger
+        self.cfg = identity.cfg.checkpoint
+        self.root = os.path.join(run_dir, "checkpoints")
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.pending = None  # (future, tmp dir, final dir, step, start time) of an async save in flight
         self.last_saved_step = None
@@ -302,10 +333,6 @@ class CheckpointManager:
         # A gloo group of its own: DCP's coordination (also from the async writer thread) never shares a
         # communicator with training collectives, and works whatever the training backend is.
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
-        # Fault-injection tests only: "STEP:SECONDS" pauses every rank in the middle of that step's save (its
-        # small files written, its shards not yet), so a test can kill a rank there.
-        pause = os.environ.get("TESSERA_TEST_SAVE_PAUSE", "")
-        self.test_pause = tuple(float(x) for x in pause.split(":")) if pause else None
 
     # ---- saving -------------------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
@@ -330,7 +357,6 @@ class CheckpointManager:
             return
         t0 = time.perf_counter()  # a previous async save still writing blocks this step too: count it
         self.wait()
-        run = self.run
         final = os.path.join(self.root, f"step_{step}")
         tmp = os.path.join(self.root, f"{TMP_PREFIX}{step}")
         try:
@@ -341,9 +367,7 @@ class CheckpointManager:
                 self._write_rank0_files(tmp, step)
             self._barrier()  # the folder exists before any rank writes into it
             torch.save(rng_state(), os.path.join(tmp, "rng", f"rank_{self.rank}.pt"))
-            if self.test_pause and self.test_pause[0] == step:
-                time.sleep(self.test_pause[1])
-            future = run.strategy.save_checkpoint_state(tmp, self.group, self.cfg.async_save)
+            future = self.strategy.save_checkpoint_state(tmp, self.group, self.cfg.async_save)
             if future is not None:
                 if self.rank == 0:  # hash the files in the background too, once they are written
                     future = _then_checksums(future, tmp)
@@ -409,7 +433,7 @@ class CheckpointManager:
             nbytes = sum(files.values())
             rec = self.stats[-1] if self.stats and self.stats[-1]["step"] == step else {"step": step}
             rec.update(total_s=total, bytes=nbytes, checksum_s=checksum_s)
-            self.run.logger.info(f"saved checkpoint {final} ({nbytes / 2**20:.1f} MiB in {total:.2f}s)")
+            self.logger.info(f"saved checkpoint {final} ({nbytes / 2**20:.1f} MiB in {total:.2f}s)")
 
     def _retain(self, keep: str) -> None:
         for stale in partial_checkpoints(self.root):
@@ -431,23 +455,21 @@ class CheckpointManager:
     def _write_rank0_files(self, tmp: str, step: int) -> None:
         from omegaconf import OmegaConf
 
-        run = self.run
-        meta = {
-            "format": FORMAT, "step": step, "tokens_seen": run.tokens_seen, "skipped_steps": run.skipped_steps,
-            "loader": run.sampler.state_dict(step), "scheduler": run.scheduler.state_dict(),
-            "precision": run.strategy.precision.state_dict(), "optim_name": run.cfg.optim.name,
-            "optim_param_groups": run.strategy.optimizer_param_groups(),
-            "global_batch_size": run.cfg.train.global_batch_size, "data_fingerprint": run.data.fingerprint,
-            "model_shapes": run.model_shapes, "model_desc": run.model_desc, "strategy": run.cfg.strategy.name,
-            "world_size": run.strategy.dims.world_size, "dp_size": run.strategy.dp_size,
-            "checkpoint_format": run.strategy.checkpoint_format,
-        }
+        strategy, identity, cfg = self.strategy, self.identity, self.identity.cfg
+        meta = {"format": FORMAT, **self.progress.state_dict(), "step": step,  # the key order of earlier saves
+                "loader": self.sampler.state_dict(step), "scheduler": self.scheduler.state_dict(),
+                "precision": strategy.precision.state_dict(), "optim_name": cfg.optim.name,
+                "optim_param_groups": strategy.optimizer_param_groups(),
+                "global_batch_size": cfg.train.global_batch_size, "data_fingerprint": identity.data_fingerprint,
+                "model_shapes": identity.model_shapes, "model_desc": identity.model_desc,
+                "strategy": cfg.strategy.name, "world_size": strategy.dims.world_size, "dp_size": strategy.dp_size,
+                "checkpoint_format": strategy.checkpoint_format}
         with open(os.path.join(tmp, "meta.json"), "w") as fh:
             json.dump(meta, fh, default=_json_default)
-        OmegaConf.save(OmegaConf.structured(run.cfg), os.path.join(tmp, "config.yaml"))
+        OmegaConf.save(OmegaConf.structured(cfg), os.path.join(tmp, "config.yaml"))
         hf_dir = os.path.join(tmp, "hf_config")
-        run.strategy.unwrapped().config.save_pretrained(hf_dir)
-        run.tokenizer.save_pretrained(hf_dir)
+        strategy.unwrapped().config.save_pretrained(hf_dir)
+        identity.tokenizer.save_pretrained(hf_dir)
 
     # ---- loading ------------------------------------------------------------------------------------------
     def damaged(self, path: str) -> List[str]:
@@ -474,7 +496,7 @@ class CheckpointManager:
             why = f"{len(bad)} file(s) differ from what was saved (checksum), e.g. {bad[0]}"
             if not fall_back:
                 raise CheckpointError(f"checkpoint {path} is damaged: {why}; resume from another one")
-            self.run.logger.info(f"skipping checkpoint {path}: {why}")
+            self.logger.info(f"skipping checkpoint {path}: {why}")
             skipped.append(path)
         raise CheckpointError(f"no intact checkpoint to resume from: {', '.join(skipped)} are damaged; resume "
                               f"from an earlier copy, or start over with checkpoint.resume=none and "
@@ -483,31 +505,29 @@ class CheckpointManager:
     def load(self, path: str, weights_only: bool) -> None:
         """Restore the run from a complete checkpoint (compatibility was checked before the process group
         started). With weights_only, only the model's weights: a new run starts from them at step 0."""
-        run = self.run
         meta = read_meta(path)
         verify_files(path, meta)
         try:
-            run.strategy.load_checkpoint_from(path, self.group, weights_only, meta["optim_param_groups"])
+            self.strategy.load_checkpoint_from(path, self.group, weights_only, meta["optim_param_groups"])
         except (CheckpointError, KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             raise CheckpointError(f"cannot load checkpoint {path}: {one_line(e)}; it may be damaged, resume from "
                                   f"another one") from None
         if weights_only:
-            run.logger.info(f"loaded the model weights of {path}; starting a new run at step 0")
+            self.logger.info(f"loaded the model weights of {path}; starting a new run at step 0")
             return
-        run.step = meta["step"]
-        run.tokens_seen = meta["tokens_seen"]
-        run.skipped_steps = meta["skipped_steps"]
-        run.scheduler.load_state_dict(meta["scheduler"])
-        run.strategy.precision.load_state_dict(meta["precision"])
+        self.progress.load_state_dict(meta)
+        self.scheduler.load_state_dict(meta["scheduler"])
+        self.strategy.precision.load_state_dict(meta["precision"])
+        world_size = self.strategy.dims.world_size
         rng_file = os.path.join(path, "rng", f"rank_{self.rank}.pt")
-        if os.path.isfile(rng_file) and meta["world_size"] == run.strategy.dims.world_size:
+        if os.path.isfile(rng_file) and meta["world_size"] == world_size:
             set_rng_state(load_tensors(rng_file, "RNG state file"))
-        self.last_saved_step = run.step
-        change = "" if meta["world_size"] == run.strategy.dims.world_size else \
-            f" (saved at world size {meta['world_size']}, now {run.strategy.dims.world_size})"
-        run.logger.info(f"resumed from {path} at step {run.step}{change}")
+        self.last_saved_step = self.progress.step
+        change = "" if meta["world_size"] == world_size else \
+            f" (saved at world size {meta['world_size']}, now {world_size})"
+        self.logger.info(f"resumed from {path} at step {self.progress.step}{change}")
 
     def close(self) -> None:
         self.wait()

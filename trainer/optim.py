@@ -1,6 +1,7 @@
 """Optimizers (AdamW, SGD) and learning-rate schedules (constant, linear, cosine; each with linear warmup)."""
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -28,16 +29,29 @@ IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop")
 DTENSOR_FUSED = frozenset({"adamw"})
 
 
+@functools.lru_cache(maxsize=None)
+def fused_kernel_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch's fused optimizer kernels take tensors of `dtype` on `device`: tried with one step of a fused
+    AdamW on a one-element tensor (torch's own list of such devices is private; AdamW and SGD share it)."""
+    if not dtype.is_floating_point:
+        return False
+    probe = torch.zeros(1, device=device, dtype=dtype, requires_grad=True)
+    probe.grad = torch.zeros_like(probe)
+    try:
+        torch.optim.AdamW([probe], fused=True).step()
+    except RuntimeError:  # "`fused=True` requires all the params to be floating point Tensors of supported devices"
+        return False
+    return True
+
+
 def fused_supported(params, optimizer: str = "adamw") -> bool:
     """Whether torch's fused kernel of `optimizer` takes every parameter: floating point, on a device type that
     has them (CUDA, CPU, ...), and, for DTensor parameters, an optimizer whose fused op DTensor implements."""
     from torch.distributed.tensor import DTensor
-    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-    devices = set(_get_fused_kernels_supported_devices())
     if optimizer not in DTENSOR_FUSED and any(isinstance(p, DTensor) for p in params):
         return False
-    return all(torch.is_floating_point(p) and p.device.type in devices for p in params)
+    return all(fused_kernel_runs(p.device, p.dtype) for p in params)
 
 
 def implementation_problems(cfg, uses_dtensor_parameters: bool):

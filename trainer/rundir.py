@@ -272,3 +272,8 @@ def release(run_dir: str) -> None:
             fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             os.close(fd)
+
+
+def held() -> List[str]:
+    """The run directories (absolute) this process holds locked."""
+    return list(_HELD)

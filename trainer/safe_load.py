@@ -115,7 +115,7 @@ DEEPSPEED_GLOBALS = (
 )
 
 
-def _deepspeed_globals() -> list:
+def deepspeed_globals() -> list:
     """DEEPSPEED_GLOBALS as the objects torch.serialization.safe_globals takes."""
     import importlib
 
@@ -134,7 +134,7 @@ def check_deepspeed_files(folder: str) -> None:
     """Read every DeepSpeed checkpoint file under `folder` weights-only (memory-mapped, so without reading the
     tensor data): a file that refers to anything but tensors, plain containers and DEEPSPEED_GLOBALS is refused
     with a CheckpointError naming it. Call it before DeepSpeed opens the folder, on every rank."""
-    safe = _deepspeed_globals()
+    safe = deepspeed_globals()
     what = "DeepSpeed checkpoint file"
     for path in deepspeed_files(folder):
         try:
@@ -156,7 +156,7 @@ def deepspeed_loads_weights_only():
     """While active, DeepSpeed's own torch.load calls (weights_only=False in its engine, ds_to_universal,
     zero_to_fp32 and universal loaders) load weights-only with DEEPSPEED_GLOBALS: even a file swapped after
     check_deepspeed_files cannot run code. Not reentrant across threads; DeepSpeed loads on the main thread."""
-    safe = _deepspeed_globals()
+    safe = deepspeed_globals()
     original = torch.load
 
     def load(f, map_location=None, pickle_module=None, **kwargs):

@@ -17,6 +17,8 @@ import torch
 from tests.integration.catalogue import check_case
 from tests.integration.conftest import REPO, SMALL, VENV_BIN, free_port, launch, metrics, ok, rel_err
 
+FAULT_WORKER = REPO / "tests" / "integration" / "fault_worker.py"  # trainer/main.py, paused inside one save
+
 # About 11 global batches per epoch: 16 steps cross an epoch boundary. Accumulation 4 on one process.
 BASE = SMALL + ["data.embedded_documents=12", "train.global_batch_size=8", "train.micro_batch_size=2",
                 "train.log_every=1", "eval.every=0", "eval.at_end=false", "export.hf_at_end=false",
@@ -101,7 +103,9 @@ def _rank_pids(run_dir) -> dict:
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            if b"trainer/main.py" not in b" ".join(cmd) or f"hydra.run.dir={run_dir}".encode() not in cmd:
+            script = b" ".join(cmd)
+            if b"trainer/main.py" not in script and b"fault_worker.py" not in script or \
+                    f"hydra.run.dir={run_dir}".encode() not in cmd:
                 continue
             env = dict(kv.split(b"=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in kv)
             if b"RANK" in env:
@@ -116,10 +120,9 @@ def test_sigkill_during_save_leaves_previous_checkpoint_and_resume_matches(strai
     its shards are not, it is not sealed): step_6 stays the newest complete checkpoint, the partial folder is ignored on resume and
     removed by the next save, and the resumed run matches the uninterrupted one."""
     run_dir = tmp_path / "run"
-    args = [str(VENV_BIN / "torchrun"), "--nproc_per_node=2", f"--master_port={free_port()}",
-            str(REPO / "trainer" / "main.py")] + BASE + ["strategy=ddp", "checkpoint.every=6",
-                                                          f"hydra.run.dir={run_dir}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", TESSERA_TEST_SAVE_PAUSE="12:30")
+    args = [str(VENV_BIN / "torchrun"), "--nproc_per_node=2", f"--master_port={free_port()}", str(FAULT_WORKER),
+            "--pause-save=12:30"] + BASE + ["strategy=ddp", "checkpoint.every=6", f"hydra.run.dir={run_dir}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:

@@ -92,8 +92,9 @@ def test_resume_after_a_killed_attempt_logs_one_series(tmp_path):
     # Killed while saving step 6: steps 5-6 (and the step-6 evaluation) were logged after the newest complete
     # checkpoint (step 4); a crash also cut the last line short.
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, str(REPO / "trainer" / "main.py")] + BASE + steps + [f"hydra.run.dir={run_dir}"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1", TESSERA_TEST_SAVE_PAUSE="6:60"),
+    fault_worker = REPO / "tests" / "integration" / "fault_worker.py"  # trainer/main.py, paused inside one save
+    cmd = [sys.executable, str(fault_worker), "--pause-save=6:60"] + BASE + steps + [f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         partial = run_dir / "checkpoints" / ".tmp-step_6" / "rng" / "rank_0.pt"

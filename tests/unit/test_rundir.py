@@ -28,7 +28,7 @@ def rank0(monkeypatch):
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(key, raising=False)
     yield
-    for path in list(rundir._HELD):
+    for path in rundir.held():
         rundir.release(path)
 
 
@@ -155,7 +155,7 @@ def test_new_run_is_refused_and_nothing_changes(tmp_path):
     for way in ("checkpoint.resume=auto", "hydra.run.dir", "checkpoint.overwrite=true"):
         assert way in msg
     assert sorted((str(p), p.stat().st_mtime_ns) for p in d.rglob("*") if p.name != ".lock") == listing
-    assert not rundir._HELD  # the refused launch let the lock go
+    assert not rundir.held()  # the refused launch let the lock go
     rundir.claim(cfg("auto"), str(d))  # continuing is fine
 
 
@@ -179,7 +179,7 @@ def test_other_ranks_refuse_the_same_and_never_move(tmp_path, monkeypatch):
         rundir.claim(cfg(), str(d))
     rundir.claim(cfg(overwrite=True), str(d))
     assert rundir.leftovers(str(d)) == ["checkpoints/step_2", "metrics.jsonl"]  # only rank 0 moves
-    assert not rundir._HELD
+    assert not rundir.held()
 
 
 # ---- the lock --------------------------------------------------------------------------------------------------
@@ -230,7 +230,7 @@ def test_a_live_job_holds_the_lock_and_a_dead_one_never_blocks(tmp_path, monkeyp
     assert time.perf_counter() - t0 < 1.0
     assert json.loads((d / ".lock").read_text())["pid"] == os.getpid()
     rundir.release(str(d))
-    assert not rundir._HELD
+    assert not rundir.held()
 
 
 def test_rank_1_of_the_same_job_accepts_its_rank_0(tmp_path, monkeypatch):
@@ -240,4 +240,4 @@ def test_rank_1_of_the_same_job_accepts_its_rank_0(tmp_path, monkeypatch):
     monkeypatch.setattr(rundir, "job_token", lambda: json.loads((d / ".lock").read_text())["job"])
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setattr(rundir, "OTHER_RANK_WAIT_S", 0.3)
-    rundir._look_from_other_rank(str(d))  # the lock is held (flock of another open file), by its own job: fine
+    rundir.claim(cfg(), str(d))  # as rank 1: the lock is held (flock of another open file), by its own job: fine

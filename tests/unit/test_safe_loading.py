@@ -191,7 +191,7 @@ def test_refusals_are_bad_input():
 
 
 def test_deepspeed_allow_list_is_exact_names():
-    from trainer.safe_load import DEEPSPEED_GLOBALS, _deepspeed_globals
+    from trainer.safe_load import DEEPSPEED_GLOBALS, deepspeed_globals
 
-    for (module, name), obj in zip(DEEPSPEED_GLOBALS, _deepspeed_globals()):
+    for (module, name), obj in zip(DEEPSPEED_GLOBALS, deepspeed_globals()):
         assert "." not in name and (obj.__module__, obj.__qualname__) == (module, name)
