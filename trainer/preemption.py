@@ -77,7 +77,12 @@ _PR_SET_PDEATHSIG = 1
 _guard_started = False
 
 
-def _proc_stat(pid: int):
+def guard_started() -> bool:
+    """Whether this process watches its launcher chain (armed on import in a launched rank)."""
+    return _guard_started
+
+
+def proc_stat(pid: int):
     """(parent pid, start time in clock ticks) of a live process, or None when it is gone (or a zombie)."""
     try:
         with open(f"/proc/{pid}/stat") as fh:
@@ -110,16 +115,16 @@ def launcher_chain(pid: int = None) -> list:
     $TESSERA_LAUNCHER_PID: the processes whose end must end this rank."""
     chain, seen = [], set()
     pid = os.getpid() if pid is None else pid
-    stat = _proc_stat(pid)
+    stat = proc_stat(pid)
     while stat is not None and stat[0] > 1 and stat[0] not in seen:
         parent = stat[0]
         seen.add(parent)
-        stat = _proc_stat(parent)
+        stat = proc_stat(parent)
         if stat is not None and is_launcher(_cmdline(parent)):
             chain.append((parent, stat[1]))
     extra = os.environ.get("TESSERA_LAUNCHER_PID", "")
     if extra.isdigit() and int(extra) not in seen and int(extra) != os.getpid():
-        st = _proc_stat(int(extra))
+        st = proc_stat(int(extra))
         if st is not None:
             chain.append((int(extra), st[1]))
     return chain
@@ -140,7 +145,7 @@ def _set_parent_death_signal(sig: int) -> bool:
 
 def _watch(chain, interval: float, grace: float) -> None:
     while True:
-        gone = [pid for pid, start in chain if (_proc_stat(pid) or (None, None))[1] != start]
+        gone = [pid for pid, start in chain if (proc_stat(pid) or (None, None))[1] != start]
         if gone:
             break
         time.sleep(interval)

@@ -127,7 +127,7 @@ def test_the_launcher_chain_finds_tessera_launcher_pid(monkeypatch):
     finally:
         sleeper.kill()
         sleeper.wait()
-    assert preemption._proc_stat(sleeper.pid) is None
+    assert preemption.proc_stat(sleeper.pid) is None
 
 
 GUARDED = """
@@ -136,7 +136,7 @@ sys.path.insert(0, {repo!r})
 got = []
 signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
 from trainer import preemption  # a rank (TESSERA_LAUNCHER_PID is set): the import arms the guard
-assert preemption._guard_started
+assert preemption.guard_started()
 print("armed", flush=True)
 deadline = time.time() + 20
 while not got and time.time() < deadline:
