@@ -1,4 +1,4 @@
-"""Model-parallel plans, declarative (no distributed code here; trainer/strategies/model_parallel.py applies
+"""Model-parallel plans, declarative (no distributed code here; trainer/strategies/tensor_parallel.py and pipeline.py apply
 them).
 
 * Tensor parallelism: {module path pattern: style} with Hugging Face's style names: the config's

@@ -26,7 +26,6 @@ from trainer import parallel, rundir
 from trainer.data.datasets import DataSplits, build_data
 from trainer.data.sampler import GlobalBatchSampler
 from tessera.errors import ConfigError, ModelError, TesseraError
-from trainer.memory import parameter_bytes
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.precision import Precision
@@ -176,12 +175,17 @@ class Run:
     model_shapes: dict = field(default_factory=dict)
     model_desc: str = ""
     built_param_bytes: int = 0
-    step: int = 0
-    tokens_seen: int = 0
-    skipped_steps: int = 0
+    progress: ckpt.TrainingProgress = field(default_factory=ckpt.TrainingProgress)  # what a checkpoint restores
     checkpointer: Optional[ckpt.CheckpointManager] = None
     stop: Optional[StopRequest] = None
     stopped_by: str = ""
+
+    # The loop's counters live in `progress` (the checkpoint manager's collaborator); the run reads as before.
+    step = property(lambda self: self.progress.step, lambda self, v: setattr(self.progress, "step", v))
+    tokens_seen = property(lambda self: self.progress.tokens_seen,
+                           lambda self, v: setattr(self.progress, "tokens_seen", v))
+    skipped_steps = property(lambda self: self.progress.skipped_steps,
+                             lambda self, v: setattr(self.progress, "skipped_steps", v))
 
 
 def build(p: Prepared) -> Run:
@@ -202,7 +206,8 @@ def build(p: Prepared) -> Run:
     with strategy.model_construction(pretrained=pretrained):
         model = registry.build(cfg.model, p.model_info, load_weights=not strategy.loads_pretrained_weights)
     num_params = registry.count_parameters(model)
-    built_param_bytes = parameter_bytes(model)  # ZeRO-3 / FSDP: this rank's part only (memory.json)
+    # memory.json only: ZeRO-3 / FSDP hold their part only
+    built_param_bytes = strategy.built_parameter_bytes(model) if cfg.logging.memory_report else 0
     seed_everything(cfg.train.seed, rank)
     if not pretrained:
         initial = initial_weights(p.model_info.hf_config, cfg.train.seed)
@@ -227,7 +232,8 @@ def build(p: Prepared) -> Run:
     desc = f"{cfg.model.kind}:{cfg.model.name_or_path or 'preset'} {num_params / 1e6:.2f}M params"
     run = Run(cfg, p.run_dir, strategy, p.data, sampler, scheduler, p.tokenizer, p.model_info, logger, device,
               accum, num_params, model_shapes=p.model_shapes, model_desc=desc, built_param_bytes=built_param_bytes)
-    run.checkpointer = ckpt.CheckpointManager(run)
+    identity = ckpt.RunIdentity(cfg, p.data.fingerprint, p.model_shapes, desc, p.tokenizer)
+    run.checkpointer = ckpt.CheckpointManager(p.run_dir, strategy, scheduler, sampler, run.progress, identity, logger)
     if p.resume_path:
         from trainer import resume_policy
 
@@ -263,7 +269,7 @@ def close(run: Optional[Run], graceful: bool = True) -> None:
             run.checkpointer.close()
         run.logger.close()
         run.strategy.close()
-        run.scheduler = None
+        run.scheduler = run.checkpointer = None  # the checkpointer holds the scheduler too
     gc.collect()
     if graceful:
         parallel.barrier()

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from trainer.divergence import DivergenceGuard
-from trainer.memory import log_memory, watch_first_step
+from trainer.memory import FirstStepProbe, write_report
 from trainer.metrics import Throughput, device_peak_tflops, flops_per_token, peak_memory_gib
 
 
@@ -29,7 +29,8 @@ def fit(run) -> None:
     if cfg.eval.at_start and run.step == 0:
         run.logger.eval_record(0, evaluate(run))
     strategy.model.train()
-    first = watch_first_step(run)  # probes the first step's model-state memory (trainer/memory.py)
+    # logging.memory_report: probe the first step's model-state memory (trainer/memory.py)
+    probe = FirstStepProbe(strategy) if cfg.logging.memory_report else None
     guard = DivergenceGuard(run)
     while run.step < t.max_steps:
         k = run.step
@@ -71,9 +72,10 @@ def fit(run) -> None:
         run.logger.advance(run.step, record)
         if record is not None:
             guard.check_logged(run.step, record["loss"], skipped)  # after the record is logged: it shows the value
-        if first:  # all ranks: gather, log one line, write memory.json (not training time: left out of tokens/s)
+        if probe is not None:  # all ranks: gather, log one line, write memory.json (left out of tokens/s)
             t_aside = time.perf_counter()
-            first = log_memory(run)
+            write_report(run, probe)
+            probe = None
             throughput.exclude(time.perf_counter() - t_aside)
 
         run.checkpointer.poll()

@@ -11,8 +11,9 @@ activation checkpointing, in-flight pipeline micro-batches), host RAM while load
 trainer would run before starting (divisibility of degrees, heads, layers, batch). With `plan.device_memory`
 (GiB per device) it says whether the run fits and lists the strategies that would, cheapest first.
 
-The model-state figures follow what trainer/memory.py measures in real runs (per-category peaks over the
-first step); tests compare them at world sizes 2 and 4. Activations are an estimate (what autograd keeps per
+Each strategy states its own model-state estimate (`Strategy.estimate_model_states`); the figures follow what
+the memory report (logging.memory_report=true, trainer/memory.py) measures in real runs (per-category peaks
+over the first step); tests compare them at world sizes 2 and 4. Activations are an estimate (what autograd keeps per
 token and layer for a Llama-style block with fused attention), flagged as such.
 """
 from __future__ import annotations
@@ -95,7 +96,8 @@ class Estimate:
         return self.model_states + self.buffers + self.activations
 
 
-def _optimizer_bytes_per_param(cfg) -> int:
+def optimizer_bytes_per_param(cfg) -> int:
+    """fp32 optimizer-state bytes per parameter."""
     if cfg.optim.name == "adamw":
         return 8  # exp_avg + exp_avg_sq, fp32
     return 4 if cfg.optim.momentum else 0
@@ -162,6 +164,7 @@ def estimate(cfg, world_size: int, info, counts: Optional[Counts] = None) -> Est
     from trainer import build as B
     from tessera.errors import ConfigError
     from trainer.parallel import ParallelDims
+    from trainer.strategies import strategy_class
 
     s = cfg.strategy
     est = Estimate(s.name, world_size)
@@ -176,72 +179,21 @@ def estimate(cfg, world_size: int, info, counts: Optional[Counts] = None) -> Est
     dims = ParallelDims.from_config(s, world_size)
     if counts is None:
         counts = count_parameters(meta_model(info.hf_config), dims.tp)
-    psi = counts.total
     here, split = _stage_share(cfg, dims, counts, info)
-    m = (here - split) + split / max(dims.tp, 1)  # model-parallel part of this rank
-    opt = _optimizer_bytes_per_param(cfg)
-    prec = cfg.precision.name
-    half = HALF[prec]
-    name = s.name
-    layers_here = max(1, round(len(counts.blocks) * here / max(psi, 1)))
+    rank_params = (here - split) + split / max(dims.tp, 1)  # model-parallel part of this rank
+    layers_here = max(1, round(len(counts.blocks) * here / max(counts.total, 1)))
     est.activations = activation_bytes(cfg, info, dims, layers_here)
     nproc = max(1, world_size)
-
-    if name in ("single", "ddp"):
-        est.params, est.grads, est.optimizer = 4 * psi, 4 * psi, opt * psi
-        est.host_load = 4 * psi * (2 if info_is_pretrained(cfg) else 1)
-    elif name.startswith("zero"):
-        n = dims.dp_size
-        stage = s.zero_stage
-        rbs = min(float(s.reduce_bucket_size), psi)
-        part = psi / n
-        est.params = half * (psi if stage < 3 else part)
-        est.master_params = 4 * part
-        est.optimizer = opt * part
-        # Gradients: the reduction bucket (up to reduce_bucket_size elements) holds the bit16 gradients at the
-        # end of backward; in the step the bit16 partition and its fp32 copy coexist.
-        if stage < 3:
-            est.grads = max(half * rbs, half * part + 4 * part)
-        else:  # ZeRO-3 keeps its bit16 gradient partition; the bucket comes on top
-            est.grads = max(half * part + half * rbs, half * part + 4 * part)
-            # the parameter last used stays gathered between forward and backward
-            est.params += half * counts.largest_param
-        if s.offload_optimizer != "none":  # the step runs on the host, on an fp32 copy of the gradients too
-            est.host_params += est.master_params + est.optimizer + 4 * part
-            est.master_params = est.optimizer = 0
-        if s.offload_param != "none" and stage == 3:
-            est.host_params += est.params
-            est.params = 0
-        est.buffers = 0 if stage == 3 else half * 2 * min(float(s.reduce_bucket_size), psi) - half * rbs
-        if stage == 3:
-            est.host_load = 4 * part + 4 * counts.largest_block
-        else:
-            est.host_load = 4 * psi * (2 if info_is_pretrained(cfg) else 1)
-        est.notes.append(f"ZeRO-{stage}: bit16 params and gradients, fp32 master and optimizer state partitioned "
-                         f"over {n} ranks; gradients peak when bit16 and fp32 partitions coexist in the step")
-    else:  # FSDP2 and the model-parallel layouts built on it
-        shard = dims.dp_shard if dims.dp_size > 1 else 1
-        pdt = HALF[s.param_dtype] if s.param_dtype else half
-        est.params = 4 * m / shard
-        est.grads = 4 * m / shard
-        est.optimizer = opt * m / shard
-        block = counts.largest_block / max(dims.tp, 1)
-        if dims.dp_size > 1:
-            # one block gathered (and the next prefetched) in the compute dtype; ZeRO-2-like keeps them all
-            est.buffers = pdt * (m if not s.reshard_after_forward else 2 * block)
-        if s.cpu_offload:
-            est.host_params = est.params + est.grads + est.optimizer
-            est.params = est.grads = est.optimizer = 0
-        est.host_load = 4 * max(block, counts.first, counts.last) * 2
-        est.notes.append(f"parameters on the meta device until sharded; fp32 shards over {shard} rank(s)"
-                         + (f", tensor-parallel degree {dims.tp}" if dims.tp > 1 else "")
-                         + (f", pipeline degree {dims.pp}" if dims.pp > 1 else ""))
+    cls = strategy_class(s.name)
+    if cls is None:  # an unknown strategy: the config problems say so
+        return est
+    cls.estimate_model_states(est, cfg, dims, counts, rank_params)  # each strategy's own rules
     est.notes.append(f"host RAM per node while loading: {est.host_load * min(nproc, _local_procs()) / GIB:.2f} GiB "
                      f"({min(nproc, _local_procs())} processes)")
     return est
 
 
-def info_is_pretrained(cfg) -> bool:
+def is_pretrained(cfg) -> bool:
     return cfg.model.kind == "hf"
 
 
@@ -382,8 +334,11 @@ def _compose(overrides):
         raise ConfigError([str(e).strip().splitlines()[0]]) from None
     try:
         ws = plan.get("plan.world_size") or os.environ.get("WORLD_SIZE")
-        if not ws:  # one process for strategy=single, else what the launcher would start
-            ws = 1 if cfg.strategy.name == "single" else \
+        if not ws:  # one process for a strategy without a process group, else what the launcher would start
+            from trainer.strategies import strategy_class
+
+            cls = strategy_class(cfg.strategy.name)
+            ws = 1 if cls is not None and not cls.needs_process_group else \
                 int(os.environ.get("NPROC_PER_NODE", 1)) * int(os.environ.get("NNODES", 1))
         ws = int(ws)
         device = float(plan["plan.device_memory"]) if "plan.device_memory" in plan else None

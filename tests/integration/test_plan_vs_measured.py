@@ -1,5 +1,5 @@
-"""The planner's model-state predictions against per-rank memory measured in real runs (memory.json) at
-world sizes 2 and 4, within 10%."""
+"""The planner's model-state predictions (each strategy's `estimate_model_states`) against per-rank memory measured
+in real runs (memory.json, logging.memory_report=true) at world sizes 2 and 4, within 10%."""
 from __future__ import annotations
 
 import json
@@ -17,7 +17,8 @@ MODEL = ["model.hidden_size=128", "model.num_layers=2", "model.num_heads=4", "mo
          "model.intermediate_size=256", "data.embedded_documents=400", "data.seq_len=32"]
 ONE_STEP = MODEL + ["logging.progress=false", "train.max_steps=1", "train.global_batch_size=4",
                     "train.micro_batch_size=1", "eval.every=0", "eval.at_end=false", "export.hf_at_end=false",
-                    "checkpoint.at_end=false", "logging.tensorboard=false", "precision=bf16"]
+                    "checkpoint.at_end=false", "logging.tensorboard=false", "precision=bf16",
+                    "logging.memory_report=true"]
 RUNS = {
     # name: (launcher, world size, overrides)
     "ddp-ws2": ("torchrun", 2, ["strategy=ddp"]),

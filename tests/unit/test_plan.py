@@ -53,7 +53,8 @@ def test_zero_stages():
     assert (z1.params, z1.master_params, z1.optimizer) == (2 * psi, 4 * psi / 4, 8 * psi / 4)
     z3, cfg, info = _est(["strategy=zero3", "precision=bf16"], 4)
     largest = P.count_parameters(__import__("models.init").init.meta_model(info.hf_config)).largest_param
-    assert z3.params == pytest.approx(2 * psi / 4 + 2 * largest)
+    assert z3.params == pytest.approx(2 * psi / 4)
+    assert z3.buffers >= 2 * largest  # a gathered parameter is transient: a buffer, not a model state
     off, _, _ = _est(["strategy=zero3_offload", "precision=bf16"], 4)
     assert off.params == off.optimizer == off.master_params == 0 and off.host_params > 0
     assert off.device_total < z3.device_total

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 
 from models.init import copy_full_tensors
 from trainer.data.datasets import IGNORE
-from trainer.memory import count_plain
 
 
 def token_loss_sum(model, batch: dict, precision) -> torch.Tensor:
@@ -258,22 +257,48 @@ class Strategy:
             out.append(dict(match, params=list(group["params"])))
         return out
 
-    # ---- model-state memory (trainer/memory.py counts and logs; the strategy knows where its tensors live) ------
-    def count_model_states(self, tally) -> None:
-        """Add every tensor this rank holds for the model states to `tally` (a trainer.memory.Tally), each under
-        its category: parameters, optimizer state, gradients (and, where a backend has them, fp32 masters,
-        gathered parameters, communication buffers)."""
-        count_plain(tally, self.unwrapped(), self.optimizer)
+    # ---- model-state memory (logging.memory_report: trainer/memory.py gathers and logs what strategies state) ---
+    def model_state_bytes(self) -> dict:
+        """Bytes this rank holds now per category (trainer.memory.CATEGORIES: params, master_params, optimizer,
+        grads, gathered), read through public APIs: the model's parameters and their `.grad` (a DTensor counts its
+        local shard), the tensors in the optimizer's `state`. Called only for the memory report."""
+        count = StateBytes()
+        params = list(self.unwrapped().parameters())
+        for p in params:
+            count.add("params", p)
+        count.add_optimizer_state(self.optimizer)
+        for p in params:
+            count.add("grads", p.grad)
+        return count.bytes
 
     def watch_memory(self, snap) -> list:
-        """Arm this backend's own probe points for the first step (besides the optimizer step, which
-        trainer/memory.py watches): call `snap(point_name)` where transient tensors exist. Returns the callables
-        that disarm them."""
+        """Arm this backend's own probe points for the first step (trainer/memory.py watches the optimizer step):
+        call `snap(point_name)` where transient tensors exist. Returns the callables that disarm them."""
         return []
 
     def memory_layout(self) -> dict:
         """Extra top-level entries for memory.json that explain the figures (FSDP2: shard group, unit sizes)."""
         return {}
+
+    def built_parameter_bytes(self, model) -> int:
+        """Bytes of the parameters this rank holds right after model construction (a sharded build: its part)."""
+        count = StateBytes()
+        for p in model.parameters():
+            count.add("params", p)
+        return count.bytes["params"]
+
+    # ---- the planner (trainer/plan.py): this strategy's per-rank model states, from the config alone ----------
+    @classmethod
+    def estimate_model_states(cls, est, cfg, dims, counts, rank_params: float) -> None:
+        """Fill `est` (a trainer.plan.Estimate: params, grads, optimizer, master_params, buffers, host_params,
+        host_load, notes) in bytes for the heaviest rank; `counts` are the model's parameter counts
+        (trainer.plan.Counts), `rank_params` the parameters a rank's model-parallel part holds. Default: a whole
+        fp32 replica per rank with its gradients and optimizer state (single, ddp)."""
+        from trainer.plan import is_pretrained, optimizer_bytes_per_param
+
+        psi = counts.total
+        est.params, est.grads, est.optimizer = 4 * psi, 4 * psi, optimizer_bytes_per_param(cfg) * psi
+        est.host_load = 4 * psi * (2 if is_pretrained(cfg) else 1)
 
     def close(self) -> None:
         """Release the parallel model before the process group goes (wrappers that hold communication
@@ -291,6 +316,35 @@ class Strategy:
             write_hf_folder(self.unwrapped(), tokenizer, out_dir, dtype=self.cfg.export.dtype)
         if dist.is_initialized():
             dist.barrier()
+
+
+class StateBytes:
+    """Bytes per memory-report category, each tensor counted once by its own bytes (numel x element size; a
+    DTensor by its local shard): views of one buffer count what they cover, a buffer's unused rest is not seen."""
+
+    def __init__(self):
+        from trainer.memory import CATEGORIES
+
+        self.bytes = dict.fromkeys(CATEGORIES, 0)
+        self.seen = set()
+
+    def add(self, category: str, tensor) -> None:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(tensor, DTensor):
+            tensor = tensor.to_local()
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta" or tensor.numel() == 0:
+            return
+        key = (tensor.device, tensor.data_ptr(), tensor.numel(), tensor.dtype)
+        if key not in self.seen:
+            self.seen.add(key)
+            self.bytes[category] += tensor.numel() * tensor.element_size()
+
+    def add_optimizer_state(self, optimizer) -> None:
+        """The tensors in a torch optimizer's public `state` (AdamW: exp_avg, exp_avg_sq, step)."""
+        for state in (optimizer.state.values() if optimizer is not None else ()):
+            for value in state.values():
+                self.add("optimizer", value)
 
 
 def apply_activation_checkpointing(model, train_cfg) -> None:
@@ -327,6 +381,7 @@ def grad_square_sum(grads) -> torch.Tensor:
             g = g.to_local()
         if g.numel():
             groups.setdefault(replicas, []).append(g)
+    # torch._foreach_norm: per-tensor norms with an fp64 result in one kernel; no public function returns those.
     for replicas, local in groups.items():  # stays on the gradients' device: no host sync in the step
         sq = torch.stack(torch._foreach_norm(local, 2.0, dtype=torch.float64)).pow(2).sum() / replicas
         total = sq if total is None else total + sq.to(total.device)
@@ -356,11 +411,11 @@ def compile_problems(device_spec: str) -> List[str]:
     for the CPU."""
     import shutil
 
-    if not torch._dynamo.is_dynamo_supported():
+    if not torch._dynamo.is_dynamo_supported():  # torch offers this check only under torch._dynamo
         return ["train.compile=true: torch.compile does not support this Python/platform; set train.compile=false"]
     cuda = device_spec.startswith("cuda") or (device_spec == "auto" and torch.cuda.is_available())
     if cuda:
-        from torch.utils._triton import has_triton
+        from torch.utils._triton import has_triton  # inductor's own check (usable Triton for this device)
 
         if not has_triton():
             return ["train.compile=true needs Triton on CUDA, which is not installed; set train.compile=false or "

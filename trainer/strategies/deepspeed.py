@@ -12,7 +12,6 @@ then exactly the global batch's gradient.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -22,8 +21,7 @@ import torch
 import torch.distributed as dist
 
 from tessera.errors import ConfigError
-from trainer.memory import count_optimizer_state, unique_params
-from trainer.strategies.base import Strategy, to_device, token_loss_sum
+from trainer.strategies.base import StateBytes, Strategy, to_device, token_loss_sum
 
 STAGES = {"zero1": 1, "zero2": 2, "zero3": 3, "zero3_offload": 3}
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
@@ -287,7 +285,8 @@ class DeepSpeedStrategy(Strategy):
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config)
         unlink_shared_memory_buffer()
         self.model = self.engine
-        # Tessera's lr schedule drives the param groups of the client optimizer, which ZeRO steps.
+        # Tessera's lr schedule drives the param groups of the client optimizer, which ZeRO steps (its param groups
+        # then hold ZeRO's fp32 partitions: the master weights).
         self.optimizer = optimizer
         return self.model, self.optimizer
 
@@ -309,11 +308,13 @@ class DeepSpeedStrategy(Strategy):
 
     def forward_backward(self, micro_batches, num_target_tokens: int) -> torch.Tensor:
         total = torch.zeros((), device=self.device)
-        for batch in micro_batches:
+        for i, batch in enumerate(micro_batches):
             batch = {k: to_device(v, self.device) for k, v in batch.items()}
             ce_sum = token_loss_sum(self.engine, batch, self.precision)
             # x dp: DeepSpeed averages over the data-parallel ranks; scale_wrt_gas=False: no 1/accumulation.
             self.engine.backward(ce_sum * (self.dp_size / num_target_tokens), scale_wrt_gas=False)
+            if self._snap_backward_end is not None and i == len(micro_batches) - 1:
+                self._snap_backward_end("backward_end")  # memory report only: gradients reduced, not yet stepped
             self.engine.step()  # an optimizer step only at the accumulation boundary (the last micro-batch)
             total += ce_sum.detach()
         return total
@@ -327,6 +328,7 @@ class DeepSpeedStrategy(Strategy):
         return norm, skipped
 
     _skipped_seen = 0
+    _snap_backward_end = None  # set while the memory report watches the first step
 
     def unwrapped(self):
         return self.engine.module
@@ -352,6 +354,7 @@ class DeepSpeedStrategy(Strategy):
             # Another data-parallel size: convert to DeepSpeed's universal checkpoint (every parameter and its
             # optimizer state whole, per parameter) and let each rank take its new partition from it.
             load_dir = self._universal_copy(folder)
+            # DeepSpeed reads this flag from its config only (no setter, and it is known only now): private attribute.
             self.engine._config.load_universal_checkpoint = True
         groups_before = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")}
                          for g in self.optimizer.param_groups]
@@ -444,27 +447,86 @@ class DeepSpeedStrategy(Strategy):
             if name not in param_names:
                 yield name, tensor
 
-    # ---- model-state memory: where ZeRO keeps its tensors (trainer/memory.py counts and logs) --------------
-    def count_model_states(self, tally) -> None:
-        zo = getattr(self.engine, "optimizer", None)
-        if zo is None:
-            return super().count_model_states(tally)
-        _count_zero_states(zo, unique_params(self.engine.module), tally)
+    # ---- model-state memory (logging.memory_report), through DeepSpeed's and torch's public APIs ------------------
+    def model_state_bytes(self) -> dict:
+        """params: the bit16 parameters (ZeRO-1/2: every one, whole; ZeRO-3: this rank's partitions, sized by
+        deepspeed.utils.safe_get_local_fp32_param, plus any parameter whole or gathered now); master_params: the fp32
+        partitions (ZeRO-1/2: in the client optimizer's param groups; ZeRO-3: safe_get_local_fp32_param);
+        optimizer: the client optimizer's `state`;
+        grads: `.grad` of the bit16 parameters (where DeepSpeed leaves them) and of the fp32 partitions (set in the
+        step), and ZeRO-3's bit16 gradient partitions (deepspeed.utils.safe_get_local_grad). Not reachable through a
+        public API, so not counted: ZeRO-1/2's bit16 gradient partitions and the reduction buckets."""
+        from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_grad
+
+        count = StateBytes()
+        params = list(self.engine.module.parameters())
+        stage3 = self.cfg.strategy.zero_stage == 3
+        # ZeRO-3 puts its fp32 partitions in the param groups only while it steps them.
+        masters = [t for group in self.optimizer.param_groups for t in group["params"]]
+        for p in params:
+            count.add("params", p)  # ZeRO-3: empty unless whole (persistent) or gathered now
+            if stage3 and p.requires_grad:
+                master = safe_get_local_fp32_param(p)
+                count.bytes["params"] += master.numel() * p.element_size()  # the bit16 partition, same elements
+                count.bytes["master_params"] += master.numel() * master.element_size()
+        if not stage3:
+            for t in masters:
+                count.add("master_params", t)
+        count.add_optimizer_state(self.optimizer)
+        for t in params + masters:
+            count.add("grads", t.grad)
+        if stage3 and self.cfg.strategy.offload_optimizer == "none":  # offloaded: the fp32 .grad above
+            for p in params:
+                if p.requires_grad:  # kept in the gradient-accumulation dtype, the parameter's (returned as fp32)
+                    count.bytes["grads"] += safe_get_local_grad(p).numel() * p.element_size()
+        return count.bytes
 
     def watch_memory(self, snap) -> list:
-        """`backward_end`: entry of ZeRO's gradient epilogue, when the buckets hold this step's gradients (all are
-        produced, none reduced away yet)."""
-        zo = getattr(self.engine, "optimizer", None)
-        if zo is None or not hasattr(zo, "independent_gradient_partition_epilogue"):
-            return []
-        original = zo.independent_gradient_partition_epilogue  # the bound method
+        """`backward_end`: after the last micro-batch's backward, before the engine steps."""
+        self._snap_backward_end = snap
 
-        def epilogue(*args, **kwargs):
-            snap("backward_end")
-            return original(*args, **kwargs)
+        def disarm():
+            self._snap_backward_end = None
 
-        zo.independent_gradient_partition_epilogue = epilogue  # an instance attribute shadows the method
-        return [lambda: zo.__dict__.pop("independent_gradient_partition_epilogue", None)]
+        return [disarm]
+
+    def built_parameter_bytes(self, model) -> int:
+        """ZeRO-3 builds partitioned: each parameter's bit16 partition. DeepSpeed offers no public accessor for it
+        before the engine exists (the safe_get_local_* functions need ZeRO's optimizer), so `ds_tensor` is read."""
+        count = StateBytes()
+        for p in model.parameters():
+            count.add("params", p)
+            count.add("params", getattr(p, "ds_tensor", None))
+        return count.bytes["params"]
+
+    @classmethod
+    def estimate_model_states(cls, est, cfg, dims, counts, rank_params: float) -> None:
+        """bit16 parameters (ZeRO-3: partitioned), fp32 master and optimizer state partitioned; gradients as
+        model_state_bytes sees them: the fp32 partition in the step (ZeRO-3: and its bit16 partition). The reduction
+        bucket, ZeRO-1/2's bit16 gradient partition and ZeRO-3's gathered parameter go to buffers."""
+        from trainer.plan import HALF, is_pretrained, optimizer_bytes_per_param
+
+        s = cfg.strategy
+        psi, n, stage, half = counts.total, dims.dp_size, s.zero_stage, HALF[cfg.precision.name]
+        part = psi / n
+        est.params = half * (psi if stage < 3 else part)
+        est.master_params = 4 * part
+        est.optimizer = optimizer_bytes_per_param(cfg) * part
+        est.grads = 4 * part + (half * part if stage == 3 else 0)
+        est.buffers = half * min(float(s.reduce_bucket_size), psi)
+        # ZeRO-1/2: the bit16 gradient partition; ZeRO-3: a gathered parameter (transient, like FSDP's blocks)
+        est.buffers += half * part if stage < 3 else half * counts.largest_param
+        if s.offload_optimizer != "none":  # the step runs on the host, on an fp32 copy of the gradients too
+            est.host_params += est.master_params + est.optimizer + 4 * part
+            est.grads -= 4 * part
+            est.master_params = est.optimizer = 0
+        if s.offload_param != "none" and stage == 3:
+            est.host_params += est.params
+            est.params = 0
+        whole_model = 4 * psi * (2 if is_pretrained(cfg) else 1)
+        est.host_load = 4 * part + 4 * counts.largest_block if stage == 3 else whole_model
+        est.notes.append(f"ZeRO-{stage}: bit16 params and gradients, fp32 master and optimizer state partitioned "
+                         f"over {n} ranks; gradients peak in the step, when the fp32 gradient partition exists")
 
     run_dir = "."  # set by the builder: where universal conversions of old checkpoints go
 
@@ -473,95 +535,3 @@ class DeepSpeedStrategy(Strategy):
         self.engine = None
         self._hf_ds_config = None
 
-
-def _ipg_buffers(zo) -> list:
-    out = []
-    for bucket in (getattr(zo, "ipg_buckets", None) or {}).values():
-        buf = getattr(bucket, "buffer", None)
-        out += list(buf) if isinstance(buf, (list, tuple)) else [buf]
-    return [b for b in out if isinstance(b, torch.Tensor)]
-
-
-def _count_zero_states(zo, params: list, tally) -> None:
-    """ZeRO-1/2/3 (and offload): every tensor the ZeRO optimizer `zo` holds, and the parameters' own."""
-    # Parameters: the bit16 flat buffers (ZeRO-1/2: the parameters are views into them) or this rank's
-    # partitions (ZeRO-3: p.ds_tensor in lp_param_buffer; p.data is empty unless the parameter is whole).
-    for p in params:
-        tally.add("params", p, "parameters")
-        tally.add("params", getattr(p, "ds_tensor", None), "ds_tensor partitions")
-    for name in ("bit16_groups_flat", "lp_param_buffer", "fp16_partitioned_groups_flat",
-                 "param_groups_fp16_flat_cpu_memory"):
-        tally.add_all("params", getattr(zo, name, None), name)
-    # ZeRO-1/2 offload: a bit16 staging copy of the partition on the CPU.
-    tally.add_all("buffers", getattr(zo, "param_buffer_of_bit16_for_cpu_offload_groups", None),
-                  "param_buffer_of_bit16_for_cpu_offload_groups")
-    # fp32 masters. Where they are the parameters' own storage (ZeRO-3 means to alias them in fp32, but its check
-    # compares a torch.device to a string and so makes a copy anyway) they were counted as params above.
-    masters = getattr(zo, "single_partition_of_fp32_groups", None)
-    if masters is None:
-        masters = getattr(zo, "fp32_partitioned_groups_flat", None)
-        master_name = "fp32_partitioned_groups_flat"
-    else:
-        master_name = "single_partition_of_fp32_groups"
-    tally.add_all("master_params", masters, master_name)
-    # Optimizer state: the client optimizer ZeRO steps on its fp32 partitions.
-    inner = getattr(zo, "optimizer", None)
-    count_optimizer_state(tally, inner)
-    if getattr(zo, "backup_optimizer", None) is not None:
-        count_optimizer_state(tally, zo.backup_optimizer, "backup_optimizer.state")
-    # Reduction buckets: registered first so that gradient views into them are told apart from the rest.
-    for buf in _ipg_buffers(zo):
-        tally.share(buf, "ipg_buckets")
-    for p in params:
-        tally.add("grads", p.grad, "param.grad (bit16)")
-        tally.add("grads", getattr(p, "grad_accum", None), "param.grad_accum")
-    for m in masters or []:
-        tally.add("grads", getattr(m, "grad", None), "fp32 partition .grad")
-    grad_attrs = ["averaged_gradients", "all_grad_tensors", "grads_in_partition", "grad_partitions_flat_buffer",
-                  "temp_grad_buffer_for_cpu_offload", "temp_grad_buffer_for_gpu_offload", "accumulated_grads_in_cpu",
-                  "offload_gradient_dict"]
-    for name in grad_attrs:
-        tally.add_all("grads", getattr(zo, name, None), name)
-    # Anything else the ZeRO optimizer holds (found by walking it), classified by its attribute's name.
-    for path, t in _walk(zo):
-        low = path.lower()
-        if "grad" in low and "norm" not in low:  # not _global_grad_norm, a scalar
-            category = "grads"
-        elif "ipg" in low or "bucket" in low:
-            category = "buffers"
-        elif "fp32" in low:
-            category = "master_params"
-        elif "bit16" in low or "fp16" in low or "bf16" in low or "lp_param" in low:
-            category = "params"
-        else:
-            category = "other"
-        tally.add(category, t, path.split(".")[0].split("[")[0])
-
-
-_SKIP_ATTRS = {"optimizer", "backup_optimizer", "module", "_module", "timers", "loss_scaler"}
-
-
-def _walk(obj, path: str = "", depth: int = 0, visited=None):
-    """(attribute path, tensor) for tensors reachable from a DeepSpeed object's attributes: lists, tuples,
-    dicts and DeepSpeed-defined objects / dataclasses are entered; modules and optimizers are not."""
-    if visited is None:
-        visited = set()
-    if isinstance(obj, torch.Tensor):
-        yield path, obj
-        return
-    if depth > 5 or id(obj) in visited or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
-        return
-    if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
-        return
-    visited.add(id(obj))
-    if isinstance(obj, dict):
-        for k, v in list(obj.items()):
-            yield from _walk(v, f"{path}[{k!r}]" if isinstance(k, (str, int)) else f"{path}[]", depth + 1, visited)
-    elif isinstance(obj, (list, tuple, set)):
-        for i, v in enumerate(list(obj)):
-            yield from _walk(v, f"{path}[{i}]", depth + 1, visited)
-    elif dataclasses.is_dataclass(obj) or type(obj).__module__.startswith("deepspeed"):
-        for k, v in list(getattr(obj, "__dict__", {}).items()):
-            if depth == 0 and k in _SKIP_ATTRS:
-                continue
-            yield from _walk(v, f"{path}.{k}" if path else k, depth + 1, visited)

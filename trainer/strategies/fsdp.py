@@ -17,8 +17,6 @@ from typing import List, Optional
 import torch
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from trainer.memory import count_optimizer_state, unique_params
-
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PRECISION_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -92,9 +90,8 @@ def materialize(model, device: torch.device, cpu_offload: bool) -> None:
             b.copy_(buffers[name])
     if cpu_offload:
         for module in model.modules():  # buffers are not FSDP's: they compute on the device
-            for key, b in list(module._buffers.items()):
-                if b is not None:
-                    module._buffers[key] = b.to(device)
+            for key, b in list(module.named_buffers(recurse=False)):
+                setattr(module, key, b.to(device))  # replaces the registered buffer, persistence kept
     retie(ties)
 
 
@@ -132,6 +129,7 @@ def _write(target: torch.Tensor, read) -> None:
     """Copy this rank's part of a full tensor into `target` (a DTensor shard, on any mesh and placements, or a
     plain tensor); `read(index)` returns the full tensor's block at a tuple of slices (None: all of it)."""
     from torch.distributed.tensor import DTensor
+    # torch has no public function for a shard's offset in the full tensor (DTensor uses this one itself).
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if not isinstance(target, DTensor):
@@ -152,22 +150,24 @@ class ScalarFoundInfScaler(ShardedGradScaler):
 
     def unscale_(self, optimizer) -> None:
         super().unscale_(optimizer)
-        state = self._per_optimizer_states[id(optimizer)]
+        state = self._per_optimizer_states[id(optimizer)]  # GradScaler keeps its flags here only (no accessor)
         state["found_inf_per_device"] = {d: f.reshape(()) for d, f in state["found_inf_per_device"].items()}
 
 
-# ---- memory: FSDP2's records of what each rank holds ---------------------------------------------------------
-def _fsdp_trees(strategy) -> list:
+# ---- memory report (logging.memory_report): FSDP2 seen through its public module API --------------------------
+def fsdp_trees(strategy) -> list:
     """[(root, [FSDP2 modules in its tree, root first])] for the strategy's module trees that contain FSDP2
     (`fully_shard`) modules: the pipeline stage modules a strategy keeps apart from its model (`stage_modules`;
     FSDP's root there is the stage module, which the model's tree does not contain), then the model. Each FSDP
     module once, in the first tree that holds it."""
+    from torch.distributed.fsdp import FSDPModule
+
     roots = [*(getattr(strategy, "stage_modules", None) or {}).values(), strategy.unwrapped()]
     trees, seen = [], set()
     for root in roots:
         found = []
         for m in root.modules() if isinstance(root, torch.nn.Module) else []:
-            if id(m) not in seen and hasattr(m, "_get_fsdp_state"):
+            if id(m) not in seen and isinstance(m, FSDPModule):
                 seen.add(id(m))
                 found.append(m)
         if found:
@@ -175,76 +175,23 @@ def _fsdp_trees(strategy) -> list:
     return trees
 
 
-def _fsdp_modules(strategy) -> list:
-    return [m for _, found in _fsdp_trees(strategy) for m in found]
-
-
-def _fsdp_states(strategy) -> list:
-    """The FSDP2 states of the strategy's modules, each once; [] without FSDP2. A state owns the parameter groups
-    of its module (`_fsdp_param_groups`; one `_fsdp_param_group` in older torch) and shares one communication
-    context with the others."""
-    states, seen = [], set()
-    for m in _fsdp_modules(strategy):
-        try:
-            state = m._get_fsdp_state()
-        except Exception:  # noqa: BLE001, S112 - not an FSDP2 module after all
-            continue
-        if state is not None and id(state) not in seen:
-            seen.add(id(state))
-            states.append(state)
-    return states
-
-
-def _fsdp_params(state) -> list:
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:
-        group = getattr(state, "_fsdp_param_group", None)
-        groups = [group] if group is not None else []
-    return [(g, fp) for g in groups if g is not None for fp in getattr(g, "fsdp_params", [])]
-
-
-def _count_fsdp_states(strategy, states, tally) -> None:
-    """FSDP2: each parameter is a DTensor whose local shard is this rank's part of the fp32 parameter (also the
-    master copy: with a MixedPrecisionPolicy FSDP casts what it all-gathers, and keeps no other copy); gradients
-    and AdamW state are DTensor shards too. While a group is unsharded (forward / backward) its module holds the
-    all-gathered parameters instead (bf16 under precision=bf16): they are counted as `gathered`, and the shards,
-    found through FSDP's own records, still as params."""
-    pairs = [pair for state in states for pair in _fsdp_params(state)]
-    for _, fp in pairs:
-        tally.add("params", getattr(fp, "sharded_param", None), "sharded parameters (DTensor local shards)")
-    for _, fp in pairs:
-        for t in list(getattr(fp, "all_gather_outputs", None) or []) + \
-                list(getattr(fp, "_unsharded_inner_tensors", None) or []):
-            tally.add("gathered", t, "all-gathered parameters")
-        tally.add("gathered", getattr(fp, "_sharded_post_forward_param_data", None), "post-forward reshard (hsdp)")
-    model = strategy.unwrapped()
-    for p in unique_params(model):  # parameters FSDP does not manage; nothing new while all are sharded
-        tally.add("params", p, "parameters")
-    count_optimizer_state(tally, strategy.optimizer)
-    for _, fp in pairs:
-        sharded = getattr(fp, "sharded_param", None)
-        tally.add("grads", getattr(sharded, "grad", None), "sharded gradients (DTensor local shards)")
-        unsharded = getattr(fp, "_unsharded_param", None)
-        tally.add("grads", getattr(unsharded, "grad", None), "unsharded gradients (backward)")
-        tally.add("grads", getattr(fp, "unsharded_accumulated_grad", None), "unsharded accumulated gradients")
-    for p in unique_params(model):
-        tally.add("grads", p.grad, "param.grad")
-    # Communication buffers: the flat all-gather output, the reduce-scatter input kept for the next wait,
-    # a partial reduce output (gradient accumulation without reduce-scatter).
-    seen_ctx = set()
-    for state in states:
-        ctx = getattr(state, "_comm_ctx", None)
-        if ctx is not None and id(ctx) not in seen_ctx:
-            seen_ctx.add(id(ctx))
-            tally.add_all("buffers", getattr(ctx, "all_gather_state", None), "all-gather state")
-            tally.add_all("buffers", getattr(ctx, "reduce_scatter_states", None), "reduce-scatter inputs")
-    for state in states:
-        groups = {id(g): g for g, _ in _fsdp_params(state)}
-        for g in groups.values():
-            tally.add("grads", getattr(g, "_partial_reduce_output", None), "partial reduce output")
-            tally.add_all("buffers", getattr(g, "_all_gather_result", None), "all-gather output")
-            tally.add("buffers", getattr(g, "_all_gather_output", None), "all-gather output")
-            tally.add_all("buffers", getattr(g, "_all_reduce_state", None), "all-reduce input (hsdp)")
+def count_fsdp_states(strategy, count) -> None:
+    """FSDP2: the optimizer holds the sharded parameters (DTensors; their local shards are this rank's fp32
+    parameters, also the master copy: FSDP casts what it all-gathers and keeps no other). Between a module's
+    all-gather and its reshard FSDP registers the all-gathered (unsharded) parameters on the module instead:
+    what the module's parameters are then, and not the optimizer's, is `gathered` (bf16 under precision=bf16).
+    Gradients: `.grad` of both (sharded: views into the reduce-scatter output; unsharded: in backward)."""
+    sharded = [p for group in strategy.optimizer.param_groups for p in group["params"]]
+    managed = {id(p) for p in sharded}
+    modules = [root for root, _ in fsdp_trees(strategy)] + [strategy.unwrapped()]
+    gathered = {id(p): p for m in modules for p in m.parameters() if id(p) not in managed}
+    for p in sharded:
+        count.add("params", p)
+    for p in gathered.values():
+        count.add("gathered", p)
+    count.add_optimizer_state(strategy.optimizer)
+    for p in sharded + list(gathered.values()):
+        count.add("grads", p.grad)
 
 
 def _first_grad_tensor(output):
@@ -292,17 +239,16 @@ def _watch_fsdp(snap, root, modules: list) -> list:
     return [h.remove for h in handles]
 
 
-def _fsdp_layout(strategy) -> Optional[dict]:
-    """FSDP2 only: the shard group's size and each FSDP module's parameter count (unsharded; the root's first),
-    what the gathered parameters of a module cost."""
-    units, shard_size = [], None
-    for state in _fsdp_states(strategy):
-        pairs = _fsdp_params(state)
-        if not pairs:
-            continue
-        units.append(sum(fp.sharded_param.numel() for _, fp in pairs))
-        mesh_info = getattr(pairs[0][0], "mesh_info", None)
-        shard_size = getattr(mesh_info, "shard_mesh_size", shard_size)
-    if not units:
-        return None
-    return {"shard_size": shard_size, "unit_params": units}
+def fsdp_layout(strategy, shard_size: int) -> Optional[dict]:
+    """FSDP2 only: the shard group's size and each FSDP module's parameter count (full sizes; the root's first):
+    what the gathered parameters of a module cost. A module's own parameters are those not under a nested FSDP
+    module."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = []
+    for _, modules in fsdp_trees(strategy):
+        for m in modules:
+            nested = {id(p) for sub in m.modules() if sub is not m and isinstance(sub, FSDPModule)
+                      for p in sub.parameters()}
+            units.append(sum(p.numel() for p in m.parameters() if id(p) not in nested))  # DTensor: global numel
+    return {"shard_size": shard_size, "unit_params": units} if units else None

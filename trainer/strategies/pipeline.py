@@ -81,8 +81,11 @@ def set_module(root: nn.Module, path: str, module) -> None:
 def cut_stage(part: nn.Module, split, first: bool, last: bool, layers: range) -> None:
     """Keep only this stage's blocks (original indices kept) and its end modules."""
     blocks = part.get_submodule(split.layers)
-    kept = sorted(int(k) for k in blocks._modules if int(k) in layers)
-    blocks._modules = {k: m for k, m in blocks._modules.items() if int(k) in layers}
+    names = [k for k, _ in blocks.named_children()]
+    kept = sorted(int(k) for k in names if int(k) in layers)
+    for k in names:
+        if int(k) not in layers:
+            delattr(blocks, k)  # Module.__delattr__ keeps the other keys (ModuleList's __delitem__ renumbers)
     _per_layer_settings_of(part, split, kept)
     if not first:
         for path in split.first:

@@ -40,8 +40,8 @@ def _replicate_parameters(module, mesh) -> None:
     """The module's own plain parameters as replicated DTensors (one kind of parameter for the optimizer)."""
     from torch.distributed.tensor import DTensor, Replicate
 
-    for key, p in list(module._parameters.items()):
-        if p is not None and not isinstance(p, DTensor):
+    for key, p in list(module.named_parameters(recurse=False)):
+        if not isinstance(p, DTensor):
             module.register_parameter(key, nn.Parameter(DTensor.from_local(p.data, mesh, [Replicate()],
                                                                            run_check=False),
                                                         requires_grad=p.requires_grad))
@@ -84,6 +84,7 @@ def _WholeOnEveryRank():
         def _apply(self, module, device_mesh):
             _replicate_parameters(module, device_mesh)
 
+            # A plain tensor in a parameter's place: no public API registers one (setattr wants a Parameter).
             def local_params(mod, args, kwargs):
                 saved = {k: p for k, p in mod._parameters.items() if isinstance(p, DTensor)}
                 mod._tessera_dtensor_params = saved

@@ -28,7 +28,7 @@ from torch import nn
 
 from trainer.data.datasets import IGNORE
 from trainer.strategies import fsdp as F2
-from trainer.strategies.base import Strategy, to_device
+from trainer.strategies.base import StateBytes, Strategy, to_device
 from trainer.strategies.pipeline import (SCHEDULES, StageModule, cut_stage, set_module, stage_indices,
                                          stages_per_rank)
 from trainer.strategies.tensor_parallel import apply_tp, grads_in_param_layout
@@ -272,12 +272,13 @@ class TorchNativeStrategy(Strategy):
         optimizer see the parameters with their usual names); never run forward."""
         view = copy.deepcopy(model)  # meta shell
         blocks = view.get_submodule(self.split.layers)
-        blocks._modules = {}
+        for key, _ in list(blocks.named_children()):
+            delattr(blocks, key)  # Module.__delattr__ keeps the other keys (ModuleList's __delitem__ renumbers)
         for path in self.split.first + self.split.last:
             set_module(view, path, None)
         for stage, part in self.parts:
-            for key, block in part.get_submodule(self.split.layers)._modules.items():
-                blocks._modules[key] = block
+            for key, block in part.get_submodule(self.split.layers).named_children():
+                blocks.add_module(key, block)
             ends = (self.split.first if stage == 0 else []) + (self.split.last if stage == self.num_stages - 1 else [])
             for path in ends:
                 set_module(view, path, part.get_submodule(path))
@@ -422,22 +423,49 @@ class TorchNativeStrategy(Strategy):
                 state[section][head] = state[section].pop(embed)
         self.load_checkpoint_state(state, None if weights_only else param_groups)
 
-    # ---- model-state memory: where FSDP2 keeps its tensors (trainer/memory.py counts and logs) -------------
-    def count_model_states(self, tally) -> None:
-        states = F2._fsdp_states(self)
-        if not states:  # tensor / pipeline parallelism without FSDP: whole (or DTensor) parameters
-            return super().count_model_states(tally)
-        F2._count_fsdp_states(self, states, tally)
+    # ---- model-state memory (logging.memory_report) and the planner ---------------------------------------------
+    def model_state_bytes(self) -> dict:
+        if not self.fsdp_enabled:  # tensor / pipeline parallelism without FSDP: whole (or DTensor) parameters
+            return super().model_state_bytes()
+        count = StateBytes()
+        F2.count_fsdp_states(self, count)
+        return count.bytes
 
     def watch_memory(self, snap) -> list:
         undo = []
-        for root, modules in F2._fsdp_trees(self):
+        for root, modules in F2.fsdp_trees(self):
             undo += F2._watch_fsdp(snap, root, modules)
         return undo
 
     def memory_layout(self) -> dict:
-        layout = F2._fsdp_layout(self)
+        if not self.fsdp_enabled:
+            return {}
+        layout = F2.fsdp_layout(self, self.dp_mesh.size(self.dp_mesh.ndim - 1))  # the shard dimension's size
         return {} if layout is None else {"fsdp": layout}
+
+    @classmethod
+    def estimate_model_states(cls, est, cfg, dims, counts, rank_params: float) -> None:
+        """fp32 parameters, gradients and optimizer state of this rank's model-parallel part, sharded over the
+        FSDP shard group; one block gathered (and the next prefetched) in the compute dtype, or every block with
+        reshard_after_forward=false."""
+        from trainer.plan import HALF, optimizer_bytes_per_param
+
+        s = cfg.strategy
+        shard = dims.dp_shard if dims.dp_size > 1 else 1
+        gathered_dtype = HALF[s.param_dtype] if s.param_dtype else HALF[cfg.precision.name]
+        est.params = 4 * rank_params / shard
+        est.grads = 4 * rank_params / shard
+        est.optimizer = optimizer_bytes_per_param(cfg) * rank_params / shard
+        block = counts.largest_block / max(dims.tp, 1)
+        if dims.dp_size > 1:
+            est.buffers = gathered_dtype * (rank_params if not s.reshard_after_forward else 2 * block)
+        if s.cpu_offload:
+            est.host_params = est.params + est.grads + est.optimizer
+            est.params = est.grads = est.optimizer = 0
+        est.host_load = 4 * max(block, counts.first, counts.last) * 2
+        est.notes.append(f"parameters on the meta device until sharded; fp32 shards over {shard} rank(s)"
+                         + (f", tensor-parallel degree {dims.tp}" if dims.tp > 1 else "")
+                         + (f", pipeline degree {dims.pp}" if dims.pp > 1 else ""))
 
     # ---- export: one parameter at a time, from whichever stage holds it --------------------------------------
     def export_hf(self, out_dir: str, tokenizer) -> None:
