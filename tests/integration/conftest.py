@@ -7,7 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
+
+# fp32 parity with one process: the relative error of every logged loss and gradient norm. Every layout reorders
+# the same fp32 sums (reductions over ranks, shards, micro-batches), which costs ~1e-7 relative; 1e-6 leaves a
+# factor of ~10 and still catches a wrong scale, a missed token or a stale gradient (>= 1e-4).
+FP32_TOL = 1e-6
 
 from trainer.launch_plan import launcher_command, run_process_group  # noqa: E402
 from trainer.parallel import free_port  # noqa: E402,F401 - tests import it from here
@@ -45,13 +52,38 @@ def rel_err(a, b) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
-def pretrained_overrides(shared_data) -> list:
-    """stories260K (Llama) on tinyshakespeare for 5 logged steps: the pretrained-model parity runs."""
-    return ["model=hf", f"model.name_or_path={shared_data / 'models' / 'stories260K-hf'}", "data=text",
-            f"data.path={shared_data / 'datasets' / 'tinyshakespeare.txt'}", "data.seq_len=64",
-            "scheduler.warmup_steps=1", "logging.progress=false", "train.max_steps=5", "train.log_every=1",
-            "train.global_batch_size=8", "train.micro_batch_size=2", "eval.every=0", "eval.at_end=false",
-            "export.hf_at_end=false", "checkpoint.at_end=false"]
+def pretrained_overrides(source) -> list:
+    """A pretrained Llama (tests.conftest.DataSource: the generated tiny Llama, or stories260K) on its text corpus
+    for 5 logged steps, evaluated before the first step, with memory.json: the pretrained-model parity runs."""
+    return ["model=hf", f"model.name_or_path={source.model}", "data=text", f"data.path={source.text}",
+            "data.seq_len=64", "scheduler.warmup_steps=1", "logging.progress=false", "train.max_steps=5",
+            "train.log_every=1", "train.global_batch_size=8", "train.micro_batch_size=2", "eval.every=0",
+            "eval.at_start=true", "eval.max_sequences=16", "eval.at_end=false", "export.hf_at_end=false",
+            "checkpoint.at_end=false", "logging.memory_report=true"]
+
+
+@pytest.fixture(scope="session")
+def pretrained_reference(data_source, tmp_path_factory):
+    """One process on the pretrained model (pretrained_overrides), shared by the ZeRO-3, FSDP and TP runs."""
+    run_dir = tmp_path_factory.mktemp(f"pretrained-single-{data_source.name}")
+    ok(launch("python", pretrained_overrides(data_source) + ["strategy=single"], run_dir))
+    return run_dir
+
+
+def check_pretrained_loaded(run_dir, source, overrides, name: str) -> float:
+    """The run's validation loss before its first step is the one of the folder's weights loaded with
+    from_pretrained on one process (relative 1e-6): the strategy really trained the pretrained weights, not a
+    fresh initialization. Returns the relative error."""
+    from transformers import AutoModelForCausalLM
+
+    first = read_jsonl(Path(run_dir) / "eval.jsonl")[0]
+    assert first["step"] == 0, first
+    model = AutoModelForCausalLM.from_pretrained(source.model, dtype="float32").eval()
+    expected = val_loss(model, Path(run_dir).parent / f"val-{Path(run_dir).name}", overrides)
+    err = rel_err(first["val_loss"], expected)
+    print(f"{name}: val loss at step 0 {first['val_loss']:.6f}, from_pretrained's {expected:.6f} ({err:.1e})")
+    assert err < 1e-6, (first["val_loss"], expected)
+    return err
 
 
 def val_loss(model, run_dir, overrides) -> float:

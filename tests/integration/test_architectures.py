@@ -23,11 +23,15 @@ import pytest
 
 from tests.archs import ARCHITECTURES, FP16_LAYOUTS, LAYOUTS, REFUSED, VOCAB, make_model_folder
 from tests.integration import arch_worker as W
-from tests.integration.conftest import REPO, VENV_BIN, free_port, read_jsonl, rel_err, run_process_group
+from tests.integration.conftest import FP32_TOL, REPO, VENV_BIN, free_port, read_jsonl, rel_err, run_process_group
 
 ARCHS = list(ARCHITECTURES)
-TOL = 1e-4  # fp32 parity: relative error of each step's loss and grad norm (and the final val loss)
-BF16_TOL = 2e-2  # bf16 vs bf16 on another layout (autocast rounding in another summation order)
+# fp32 parity: relative error of each step's loss and grad norm (and the final val loss). Measured ~1e-7 in most
+# cells; the largest seen: gemma3 under zero3 6.7e-7, olmo2 under tp 6.8e-7 (the q/k norms over all heads).
+TOL = FP32_TOL
+# bf16 vs bf16 on another layout: autocast rounds to 8 mantissa bits (~4e-3 relative each) in another summation
+# order; ~1.4e-3 is seen over 3 steps.
+BF16_TOL = 2e-2
 LAUNCH_TIMEOUT_S = 900
 MAX_RELAUNCHES = 3
 
@@ -230,11 +234,12 @@ def _cell(job: str, layout: str):
                                          if (a, lay) not in REFUSED])
 def test_architecture_trains_under_layout(matrix, arch_models, layout, arch):
     """3 fp32 AdamW steps: the same loss and grad-norm curve (and final val loss) as single-process training
-    within 1e-4 relative, and hf/ is the model the trainer ended with."""
+    within 1e-6 relative, and hf/ is the model the trainer ended with."""
     r = _finished(matrix, layout, arch)
     if layout == "single":
         recs = _curves(r["run_dir"])
-        assert recs[-1]["loss"] < recs[0]["loss"], [x["loss"] for x in recs]  # it trains
+        # it trains: 3 AdamW steps lower the loss by 0.3-0.43 on every architecture (measured)
+        assert recs[-1]["loss"] < recs[0]["loss"] - 0.15, [x["loss"] for x in recs]
     else:
         ref = _finished(matrix, "single", arch)
         _check_parity(f"{arch} {layout}", r["run_dir"], ref["run_dir"], TOL)
@@ -252,7 +257,7 @@ def test_layout_refuses_an_architecture_it_cannot_split(matrix, arch, layout):
 
 @pytest.mark.parametrize("layout,job", [_cell("llama:sgd", lay) for lay in LAYOUTS])
 def test_sgd_trains_under_layout(matrix, arch_models, layout, job):
-    """optim=sgd (momentum) on llama: the same curve as single-process SGD within 1e-4, and a curve of its own
+    """optim=sgd (momentum) on llama: the same curve as single-process SGD within 1e-6, and a curve of its own
     (not AdamW's)."""
     r = _finished(matrix, layout, job)
     ref = _finished(matrix, "single", job)

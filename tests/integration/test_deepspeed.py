@@ -7,8 +7,9 @@ import os
 import pytest
 import torch
 
-from tests.conftest import SHARED
-from tests.integration.conftest import REPO, SMALL, launch, metrics, ok, pretrained_overrides, rel_err, run_process_group
+from tests.integration.conftest import (
+    FP32_TOL, REPO, SMALL, check_pretrained_loaded, launch, metrics, ok, pretrained_overrides, rel_err,
+    run_process_group)
 
 TEN = SMALL + ["train.max_steps=10", "train.log_every=1", "train.global_batch_size=8", "eval.every=0",
                "eval.at_end=false", "export.hf_at_end=false", "checkpoint.at_end=false"]
@@ -35,42 +36,64 @@ CASES = [
     ("zero2-ws4", "zero2", 4, 1, "deepspeed", []),
     ("zero3-ws4", "zero3", 4, 1, "deepspeed", []),
     ("zero3_offload-ws2", "zero3_offload", 2, 2, "deepspeed", []),
-    ("zero2-users-json-torchrun", "zero2", 2, 2, "torchrun",
-     [f"strategy.deepspeed_config={SHARED / 'deepspeed' / 'ds_config_zero2.json'}"]),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_zero_matches_single_process(reference, tmp_path, case):
     name, strategy, nproc, micro, launcher, extra = case
-    if extra and not SHARED.is_dir():
-        pytest.skip(f"{SHARED} is absent: the users' DeepSpeed JSON files live there")
     ok(launch(launcher, TEN + [f"strategy={strategy}", f"train.micro_batch_size={micro}"] + extra, tmp_path,
               nproc=nproc))
     loss_err, norm_err = _max_errors(metrics(tmp_path), reference)
     print(f"{name}: max relative loss error {loss_err:.2e}, grad-norm error {norm_err:.2e}")
-    assert loss_err < 1e-4 and norm_err < 1e-4, (loss_err, norm_err)
+    assert loss_err < FP32_TOL and norm_err < FP32_TOL, (loss_err, norm_err)
+
+
+def test_users_deepspeed_json_matches_single_process(data_source, reference, tmp_path):
+    """A user's ZeRO-2 JSON ("auto" batch sizes, clipping, precision; an optimizer and scheduler section that
+    Tessera replaces; optimizer offload to the CPU) through torchrun: the same curve as one process.
+    [generated]: written by the test session (tests/conftest.py); [real]: ../shared/data/deepspeed."""
+    path = data_source.deepspeed["zero2"]
+    ok(launch("torchrun", TEN + ["strategy=zero2", "train.micro_batch_size=2", f"strategy.deepspeed_config={path}"],
+              tmp_path, nproc=2))
+    loss_err, norm_err = _max_errors(metrics(tmp_path), reference)
+    print(f"zero2 with {path.name} ({data_source.name}): max relative loss error {loss_err:.2e}, grad-norm error "
+          f"{norm_err:.2e}")
+    assert loss_err < FP32_TOL and norm_err < FP32_TOL, (loss_err, norm_err)
 
 
 def test_zero2_bf16_stays_within_bf16_tolerance(reference, tmp_path):
     ok(launch("deepspeed", TEN + ["strategy=zero2", "train.micro_batch_size=2", "precision=bf16"], tmp_path, nproc=2))
     loss_err, _ = _max_errors(metrics(tmp_path), reference)
     print(f"zero2 bf16 vs fp32: max relative loss error {loss_err:.2e}")
-    assert loss_err < 3e-2
+    # bf16 keeps 8 mantissa bits (~4e-3 relative per rounding) in the forward and backward passes, compounding
+    # over 10 steps; 3e-2 is a few times what is seen. The lower bound shows bf16 really ran (fp32: ~1e-7).
+    assert 1e-5 < loss_err < 3e-2, loss_err
 
 
 RESUME_BASE = SMALL + ["train.max_steps=8", "train.log_every=1", "train.global_batch_size=8", "train.micro_batch_size=1",
                        "eval.every=0", "eval.at_end=false"]
 
 
-@pytest.fixture(scope="module", params=["zero2", "zero3"])
-def zero_run(request, tmp_path_factory):
-    """8 steps at world size 2 with a checkpoint at step 4 (and 8)."""
-    run_dir = tmp_path_factory.mktemp(request.param)
-    ok(launch("deepspeed", RESUME_BASE + [f"strategy={request.param}", "checkpoint.every=4", "checkpoint.keep_last=0"],
-              run_dir, nproc=2))
-    assert (run_dir / "checkpoints" / "step_4" / "COMPLETE.json").is_file()
-    return request.param, run_dir
+@pytest.fixture(scope="module")
+def zero_runs(tmp_path_factory):
+    """strategy -> run dir of 8 steps at world size 2 with a checkpoint at step 4 (and 8), launched once each."""
+    runs = {}
+
+    def get(strategy):
+        if strategy not in runs:
+            run_dir = tmp_path_factory.mktemp(strategy)
+            ok(launch("deepspeed", RESUME_BASE + [f"strategy={strategy}", "checkpoint.every=4",
+                                                  "checkpoint.keep_last=0"], run_dir, nproc=2))
+            assert (run_dir / "checkpoints" / "step_4" / "COMPLETE.json").is_file()
+            runs[strategy] = run_dir
+        return runs[strategy]
+    return get
+
+
+@pytest.fixture(params=["zero2", "zero3"])
+def zero_run(request, zero_runs):
+    return request.param, zero_runs(request.param)
 
 
 def test_zero_resume_is_exact_and_exports(zero_run, tmp_path):
@@ -111,10 +134,11 @@ def test_export_cli_from_zero_shards_matches_trained_model(zero_run, tmp_path):
     assert torch.equal(exported, at_end)
 
 
-@pytest.mark.parametrize("nproc", [1, 4])
-def test_zero_resume_on_another_data_parallel_size(zero_run, tmp_path, nproc):
-    """The trainer converts the ZeRO checkpoint to DeepSpeed's universal format and loads it at the new size."""
-    strategy, first = zero_run
+@pytest.mark.parametrize("strategy,nproc", [("zero2", 4), ("zero3", 1)], ids=["zero2-ws2-to-ws4", "zero3-ws2-to-ws1"])
+def test_zero_resume_on_another_data_parallel_size(zero_runs, tmp_path, strategy, nproc):
+    """The trainer converts the ZeRO checkpoint to DeepSpeed's universal format and loads it at the new size: one
+    conversion per ZeRO stage, one growing and one shrinking the data-parallel size."""
+    first = zero_runs(strategy)
     proc = launch("deepspeed", RESUME_BASE + [f"strategy={strategy}", "export.hf_at_end=false",
                                               f"checkpoint.resume={first / 'checkpoints' / 'step_4'}"],
                   tmp_path, nproc=nproc)
@@ -126,7 +150,7 @@ def test_zero_resume_on_another_data_parallel_size(zero_run, tmp_path, nproc):
     loss_err = max(rel_err(r["loss"], a[r["step"]]["loss"]) for r in recs)
     norm_err = max(rel_err(r["grad_norm"], a[r["step"]]["grad_norm"]) for r in recs)
     print(f"{strategy} ws2 -> ws{nproc}: max relative loss error {loss_err:.2e}, grad-norm error {norm_err:.2e}")
-    assert loss_err < 1e-5 and norm_err < 1e-5, (loss_err, norm_err)
+    assert loss_err < FP32_TOL and norm_err < FP32_TOL, (loss_err, norm_err)
 
 
 def test_launch_sh_uses_the_deepspeed_launcher(tmp_path):
@@ -140,21 +164,24 @@ def test_launch_sh_uses_the_deepspeed_launcher(tmp_path):
     assert "deepspeed.launcher.launch" in out and "strategy zero2 world 2" in out
 
 
-def test_zero3_loads_pretrained_weights_partitioned(shared_data, tmp_path):
-    """model=hf under ZeRO-3 is built and loaded partitioned: the same numbers as one process, and each rank's
-    parameters hold about half the model."""
+def test_zero3_loads_pretrained_weights_partitioned(data_source, pretrained_reference, tmp_path):
+    """model=hf under ZeRO-3 is built and loaded partitioned: the pretrained weights (not a fresh initialization)
+    are trained, the same numbers as one process, and each rank's parameters hold about half the model.
+    [generated]: a tiny Llama written by the test session; [real]: stories260K."""
     import json
 
-    common = pretrained_overrides(shared_data)
-    ok(launch("python", common + ["strategy=single"], tmp_path / "single"))
+    common = pretrained_overrides(data_source)
     proc = launch("deepspeed", common + ["strategy=zero3", "strategy.stage3_param_persistence_threshold=0"],
                   tmp_path / "zero3", nproc=2)
     ok(proc)
-    loss_err, norm_err = _max_errors(metrics(tmp_path / "zero3"), metrics(tmp_path / "single"))
-    print(f"zero3 pretrained ws2: max relative loss error {loss_err:.2e}, grad-norm error {norm_err:.2e}")
-    assert loss_err < 1e-4 and norm_err < 1e-4
+    loss_err, norm_err = _max_errors(metrics(tmp_path / "zero3"), metrics(pretrained_reference))
+    print(f"zero3 pretrained ({data_source.name}) ws2: max relative loss error {loss_err:.2e}, grad-norm error "
+          f"{norm_err:.2e}")
+    assert loss_err < FP32_TOL and norm_err < FP32_TOL, (loss_err, norm_err)
+    check_pretrained_loaded(tmp_path / "zero3", data_source, common, f"zero3 pretrained ({data_source.name})")
     memory = json.loads((tmp_path / "zero3" / "memory.json").read_text())
     full = memory["num_params"] * 4
-    assert memory["num_params"] == 292_800
+    assert memory["num_params"] == data_source.num_params
     for rank in memory["ranks"]:
-        assert rank["master_params"] <= 0.55 * full, rank  # each rank's fp32 partition: half the model
+        # each rank's fp32 partition: half the model (DeepSpeed pads each partition a little)
+        assert 0.45 * full <= rank["master_params"] <= 0.55 * full, rank

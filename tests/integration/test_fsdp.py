@@ -9,11 +9,16 @@ import json
 import pytest
 
 from tests.integration.conftest import (
-    SMALL, check_export, launch, metrics, ok, pretrained_overrides, rel_err)
+    FP32_TOL, SMALL, check_export, check_pretrained_loaded, launch, metrics, ok, pretrained_overrides, rel_err)
 
 # Global batch 8, 10 steps, fp32; nothing written that the test does not read.
 TEN = SMALL + ["train.max_steps=10", "train.log_every=1", "train.global_batch_size=8", "eval.every=0",
                "eval.at_end=false", "export.hf_at_end=false", "checkpoint.at_end=false"]
+# Compiled blocks: inductor's fused CPU kernels (fused RMSNorm / SiLU-mul, reordered reductions) are fp32 too.
+COMPILE_TOL = FP32_TOL
+# bf16 / fp16 against the fp32 reference: parameters and activations are rounded to 8 (bf16) or 11 (fp16) mantissa
+# bits, ~4e-3 / ~5e-4 relative per operation, growing over 10 steps of training; 3e-2 is a few times what is seen.
+MIXED_TOL = 3e-2
 # What a resumed run adds: the checkpoint's own settings, nothing written at the end.
 SAVE = ["checkpoint.every=5", "checkpoint.keep_last=0"]
 
@@ -60,8 +65,8 @@ def _max_errors(recs, reference):
             max(rel_err(r["grad_norm"], ref[r["step"]]["grad_norm"]) for r in recs))
 
 
-def _check_parity(name, recs, reference, tol=1e-4):
-    assert [r["step"] for r in recs] == [r["step"] for r in reference] == list(range(1, 11))
+def _check_parity(name, recs, reference, tol=FP32_TOL, steps=10):
+    assert [r["step"] for r in recs] == list(range(1, steps + 1))
     loss_err, norm_err = _max_errors(recs, reference)
     print(f"{name}: max relative loss error {loss_err:.2e}, grad-norm error {norm_err:.2e}")
     assert loss_err < tol and norm_err < tol, (loss_err, norm_err)
@@ -94,11 +99,12 @@ def test_fsdp_variants_match_single_process(reference, tmp_path, case):
     _check_parity(name, metrics(tmp_path), reference)
 
 
-@pytest.mark.slow
 def test_fsdp_compiled_blocks_match_single_process(reference, tmp_path):
-    ok(launch("torchrun", TEN + ["strategy=fsdp", "train.micro_batch_size=2", "train.compile=true"], tmp_path,
-              nproc=2, timeout=600))
-    _check_parity("fsdp-ws2-compile", metrics(tmp_path), reference)
+    """train.compile=true (inductor on CPU, g++) on FSDP's decoder blocks, 3 steps against the first 3 of the
+    10-step reference (the lr of the first two updates does not depend on train.max_steps with 1 warmup step)."""
+    ok(launch("torchrun", TEN + ["strategy=fsdp", "train.micro_batch_size=2", "train.compile=true",
+                                 "train.max_steps=3"], tmp_path, nproc=2, timeout=600))
+    _check_parity("fsdp-ws2-compile", metrics(tmp_path), reference, tol=COMPILE_TOL, steps=3)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -109,7 +115,7 @@ def test_fsdp_mixed_precision_stays_within_tolerance(reference, tmp_path, precis
     assert [r["step"] for r in recs] == list(range(1, 11))
     loss_err, norm_err = _max_errors(recs, reference)
     print(f"fsdp-ws2 {precision} vs fp32: max relative loss error {loss_err:.2e}, grad-norm error {norm_err:.2e}")
-    assert loss_err < 3e-2, loss_err
+    assert loss_err < MIXED_TOL, loss_err
     # The parameters really were cast: fp32 FSDP reproduces the reference to ~1e-7 (see the tests above).
     assert loss_err > 1e-6, loss_err
     if precision == "fp16":
@@ -142,7 +148,7 @@ def test_fsdp_ws2_checkpoint_resumes_as_hsdp_2x2(fsdp_run, tmp_path):
     assert "saved at world size 2, now 4" in out
     loss_err, norm_err = _max_errors(recs, metrics(fsdp_run))
     print(f"fsdp-ws2 -> hsdp-ws4 resume: max relative loss error {loss_err:.2e}, grad-norm error {norm_err:.2e}")
-    assert loss_err < 1e-5 and norm_err < 1e-5, (loss_err, norm_err)
+    assert loss_err < FP32_TOL and norm_err < FP32_TOL, (loss_err, norm_err)
 
 
 def test_hsdp_checkpoint_resumes_as_fsdp_ws2(hsdp_run, tmp_path):
@@ -150,7 +156,7 @@ def test_hsdp_checkpoint_resumes_as_fsdp_ws2(hsdp_run, tmp_path):
     assert "saved at world size 4, now 2" in out
     loss_err, norm_err = _max_errors(recs, metrics(hsdp_run))
     print(f"hsdp-ws4 -> fsdp-ws2 resume: max relative loss error {loss_err:.2e}, grad-norm error {norm_err:.2e}")
-    assert loss_err < 1e-5 and norm_err < 1e-5, (loss_err, norm_err)
+    assert loss_err < FP32_TOL and norm_err < FP32_TOL, (loss_err, norm_err)
 
 
 # ---- export --------------------------------------------------------------------------------------------------
@@ -162,23 +168,24 @@ def test_export_logits_equal_trained_model(fsdp_run, tmp_path):
 
 
 # ---- pretrained weights --------------------------------------------------------------------------------------
-def test_fsdp_loads_pretrained_weights_shard_by_shard(shared_data, tmp_path):
-    """model=hf under fsdp: built on the meta device, each rank reads only its rows; the same numbers as one
-    process, and each rank holds about half of the parameters."""
-    common = pretrained_overrides(shared_data)
-    ok(launch("python", common + ["strategy=single"], tmp_path / "single"))
+def test_fsdp_loads_pretrained_weights_shard_by_shard(data_source, pretrained_reference, tmp_path):
+    """model=hf under fsdp: built on the meta device, each rank reads only its rows; the pretrained weights (not a
+    fresh initialization) are trained, the same numbers as one process, and each rank holds about half of the
+    parameters. [generated]: a tiny Llama written by the test session; [real]: stories260K."""
+    common = pretrained_overrides(data_source)
     ok(launch("torchrun", common + ["strategy=fsdp"], tmp_path / "fsdp", nproc=2))
-    ref, recs = metrics(tmp_path / "single"), metrics(tmp_path / "fsdp")
+    ref, recs = metrics(pretrained_reference), metrics(tmp_path / "fsdp")
     assert [r["step"] for r in recs] == [r["step"] for r in ref] == [1, 2, 3, 4, 5]
     loss_err, norm_err = _max_errors(recs, ref)
     memory = json.loads((tmp_path / "fsdp" / "memory.json").read_text())
     full = memory["num_params"] * 4
     after = [rank["points"]["after_step"]["params"] / full for rank in memory["ranks"]]
-    print(f"fsdp pretrained ws2: max relative loss error {loss_err:.2e}, grad-norm error {norm_err:.2e}; "
-          f"built params per rank {[r['built_params'] for r in memory['ranks']]} B, params after the step "
-          f"{', '.join(f'{a:.3f}' for a in after)} of the fp32 model")
-    assert loss_err < 1e-4 and norm_err < 1e-4, (loss_err, norm_err)
-    assert memory["num_params"] == 292_800 and len(memory["ranks"]) == 2
+    print(f"fsdp pretrained ({data_source.name}) ws2: max relative loss error {loss_err:.2e}, grad-norm error "
+          f"{norm_err:.2e}; built params per rank {[r['built_params'] for r in memory['ranks']]} B, params after "
+          f"the step {', '.join(f'{a:.3f}' for a in after)} of the fp32 model")
+    assert loss_err < FP32_TOL and norm_err < FP32_TOL, (loss_err, norm_err)
+    check_pretrained_loaded(tmp_path / "fsdp", data_source, common, f"fsdp pretrained ({data_source.name})")
+    assert memory["num_params"] == data_source.num_params and len(memory["ranks"]) == 2
     for rank, share in zip(memory["ranks"], after):
         assert rank["built_params"] == 0, rank  # every parameter on the meta device at construction
         assert 0.45 < share < 0.55, (rank["rank"], share)  # this rank's shard: half the model

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from tests.integration.conftest import SMALL, launch, metrics, ok, rel_err
+from tests.integration.conftest import FP32_TOL, SMALL, launch, metrics, ok, rel_err
 
 STEPS = ["train.max_steps=6", "train.log_every=1", "train.global_batch_size=8", "train.micro_batch_size=2",
          "eval.every=3", "scheduler.warmup_steps=2"]
@@ -52,8 +52,9 @@ def test_launchers_agree_on_losses(runs):
     assert len(curves) == 3
     ref = curves["python"]
     for name, curve in curves.items():
-        assert max(rel_err(a, b) for a, b in zip(curve, ref)) < 1e-5, (name, curve, ref)
-    assert ref[-1] < ref[0]
+        assert len(curve) == len(ref) == 6
+        assert max(rel_err(a, b) for a, b in zip(curve, ref)) < FP32_TOL, (name, curve, ref)
+    assert ref[-1] < ref[0] - 0.1, ref  # it trained (6 steps, 2 of them warmup)
 
 
 def test_hf_export_loads(runs):
@@ -64,6 +65,7 @@ def test_hf_export_loads(runs):
     tok = AutoTokenizer.from_pretrained(run_dir / "hf")
     ids = torch.tensor([tok("Mia had a red ball.")["input_ids"]])
     assert model(ids).logits.shape == (1, ids.shape[1], model.config.vocab_size)
+    assert tok.decode(ids[0], skip_special_tokens=True) == "Mia had a red ball."  # the run's tokenizer, exported
 
 
 def test_launch_sh_runs_default_with_overrides(tmp_path):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.archs import make_model_folder
-from tests.integration.conftest import REPO, launch, metrics, ok, read_jsonl, rel_err
+from tests.integration.conftest import FP32_TOL, REPO, launch, metrics, ok, read_jsonl, rel_err
 
 STEPS, SAVED = 6, 3
 
@@ -62,7 +62,7 @@ def _compare(name, first, resumed, exact):
     if exact:
         assert all((r["loss"], r["grad_norm"]) == (before[r["step"]]["loss"], before[r["step"]]["grad_norm"])
                    for r in resumed)
-    assert max(errs) < 1e-5, errs
+    assert max(errs) < FP32_TOL, errs
 
 
 def test_moe_checkpoint_from_tensor_parallel_resumes_under_fsdp(models, moe_tp, tmp_path):
@@ -71,14 +71,12 @@ def test_moe_checkpoint_from_tensor_parallel_resumes_under_fsdp(models, moe_tp, 
     _compare("qwen3_moe tp -> fsdp", moe_tp, recs, exact=False)
 
 
-def test_tied_pipeline_checkpoint_resumes_exactly_and_under_fsdp(models, tied_pp, tmp_path):
-    """The tied weight's two copies are saved under their two names; pp resumes bit-exactly, and FSDP (one
-    shared weight) continues the same curve."""
+def test_tied_pipeline_checkpoint_resumes_exactly(models, tied_pp, tmp_path):
+    """The tied weight's two copies are saved under their two names; pp resumes bit-exactly. (The conversion
+    between the pipeline's two copies and FSDP's one weight is the next test's, in the harder direction.)"""
     step = tied_pp / "checkpoints" / f"step_{SAVED}"
     recs = _run(models["llama_tied"], ["strategy=pp", "strategy.pp_schedule=1f1b"], tmp_path / "pp", resume=step)
     _compare("llama_tied pp -> pp", tied_pp, recs, exact=True)
-    recs = _run(models["llama_tied"], ["strategy=fsdp"], tmp_path / "fsdp", resume=step)
-    _compare("llama_tied pp -> fsdp", tied_pp, recs, exact=False)
 
 
 def test_tied_checkpoint_of_fsdp_resumes_under_a_v_shaped_pipeline(models, tmp_path):

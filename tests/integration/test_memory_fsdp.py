@@ -94,25 +94,3 @@ def test_hsdp_replicas_hold_the_same(memory):
     ranks = memory["hsdp"]["ranks"]
     for key in ("params", "grads", "optimizer"):
         assert len({r[key] for r in ranks}) == 1, (key, [r[key] for r in ranks])
-
-
-@pytest.mark.slow  # ~45 s: three more launches; run with -m slow
-def test_bench_memory_quick_puts_fsdp_next_to_zero(tmp_path):
-    """benchmarks/bench_memory.py --quick: ZeRO-2, ZeRO-3 and FSDP rows in one table, FSDP on its formula."""
-    import os
-    import subprocess
-    import sys
-
-    from tests.integration.conftest import REPO
-
-    out = tmp_path / "mem.json"
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_memory.py"), "--quick", "--out", str(out),
-                           "--set", "logging.memory_report=true"],
-                          cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    rows = {r["strategy"]: r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"zero2", "zero3", "fsdp"}
-    assert "| fsdp | 2 |" in proc.stdout and "| zero3 | 2 |" in proc.stdout
-    assert rel_err(rows["fsdp"]["model_states"], rows["fsdp"]["formula"]) < TOL
-    assert rows["fsdp"]["gathered"] == rows["fsdp"]["gathered_formula"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.conftest import SMALL, launch, metrics, ok, rel_err
+from tests.integration.conftest import FP32_TOL, SMALL, launch, metrics, ok, rel_err
 
 TEN_STEPS = ["train.max_steps=10", "train.log_every=1", "train.global_batch_size=8", "eval.every=0",
              "eval.at_end=false", "export.hf_at_end=false"]
@@ -29,7 +29,7 @@ def test_ddp_matches_single_process(reference, tmp_path, nproc, micro):
     loss_err = max(rel_err(r["loss"], s["loss"]) for r, s in zip(recs, reference))
     norm_err = max(rel_err(r["grad_norm"], s["grad_norm"]) for r, s in zip(recs, reference))
     print(f"ddp world {nproc}: max relative loss error {loss_err:.2e}, grad-norm error {norm_err:.2e}")
-    assert loss_err < 1e-5 and norm_err < 1e-5, (loss_err, norm_err)
+    assert loss_err < FP32_TOL and norm_err < FP32_TOL, (loss_err, norm_err)
     assert reference[-1]["loss"] < reference[0]["loss"] - 0.5  # it really trained
 
 
@@ -41,7 +41,8 @@ def test_fp16_overflow_steps_are_skipped_and_counted(tmp_path):
                                  "export.hf_at_end=false"], tmp_path))
     recs = metrics(tmp_path)
     skipped = recs[-1]["skipped_steps"]
-    assert skipped >= 1
+    # 2^24 backs off by halving on each overflow until the gradients fit: several skips, then none.
+    assert 1 <= skipped <= 15, skipped
     assert recs[-1]["loss_scale"] < 16777216
     assert [r["skipped_steps"] for r in recs] == sorted(r["skipped_steps"] for r in recs)
     assert recs[-1]["loss"] < recs[skipped]["loss"]  # training went on after the skips

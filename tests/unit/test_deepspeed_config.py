@@ -28,22 +28,25 @@ def test_generated_config_follows_hydra():
     assert ds3["gradient_accumulation_steps"] == 2
 
 
-@pytest.mark.parametrize("name,strategy", [("ds_config_zero2.json", "zero2"), ("ds_config_zero3.json", "zero3"),
-                                           ("ds_z3_config.json", "zero3")])
-def test_users_json_with_auto_values_is_accepted(shared_data, name, strategy):
-    path = shared_data / "deepspeed" / name
-    ds, problems = build_ds_config(_cfg(f"strategy={strategy}", f"strategy.deepspeed_config={path}"), dp_size=2)
-    assert problems == []
-    user = json.loads(path.read_text())
-    assert ds["train_batch_size"] == 16 and ds["gradient_accumulation_steps"] == 4
-    assert ds["fp16"]["enabled"] is False  # "auto" follows precision=fp32
-    zero = ds["zero_optimization"]
-    for key, value in user["zero_optimization"].items():
-        if value != "auto" and key != "stage":
-            assert zero[key] == value, key  # the user's explicit ZeRO knobs are kept
-    if user["zero_optimization"].get("reduce_bucket_size") == "auto":
-        assert zero["reduce_bucket_size"] == 500_000_000  # filled from strategy.reduce_bucket_size
-    assert "optimizer" not in ds and "scheduler" not in ds  # Tessera's optimizer and schedule run everywhere
+def test_users_json_with_auto_values_is_accepted(data_source):
+    """Every users' JSON of the source ([generated]: tests/conftest.py; [real]: ../shared/data/deepspeed)."""
+    assert data_source.deepspeed
+    for name, path in data_source.deepspeed.items():
+        strategy = name.split("-")[0]
+        ds, problems = build_ds_config(_cfg(f"strategy={strategy}", f"strategy.deepspeed_config={path}"), dp_size=2)
+        assert problems == [], (path.name, problems)
+        user = json.loads(path.read_text())
+        assert ds["train_batch_size"] == 16 and ds["gradient_accumulation_steps"] == 4, path.name
+        assert ds["train_micro_batch_size_per_gpu"] == 2, path.name
+        assert ds["fp16"]["enabled"] is False, path.name  # "auto" follows precision=fp32
+        assert ds["zero_optimization"]["stage"] == int(strategy[-1]), path.name
+        zero = ds["zero_optimization"]
+        for key, value in user["zero_optimization"].items():
+            if value != "auto" and key != "stage":
+                assert zero[key] == value, (path.name, key)  # the user's explicit ZeRO knobs are kept
+        if user["zero_optimization"].get("reduce_bucket_size") == "auto":
+            assert zero["reduce_bucket_size"] == 500_000_000  # filled from strategy.reduce_bucket_size
+        assert "optimizer" not in ds and "scheduler" not in ds  # Tessera's optimizer and schedule run everywhere
 
 
 def test_contradictions_are_reported_with_both_keys(tmp_path):
