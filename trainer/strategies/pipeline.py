@@ -26,6 +26,8 @@ SCHEDULES = {
     "zbv": ("ScheduleZBVZeroBubble", "v"),
     "dualpipev": ("ScheduleDualPipeV", "v"),
 }
+# Schedules that run the backward as separate input-gradient and weight-gradient passes (zero bubble).
+SPLIT_BACKWARD_SCHEDULES = ("interleaved_zb", "zbv", "dualpipev")
 
 
 def stages_per_rank(s) -> int:
