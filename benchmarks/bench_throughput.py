@@ -43,7 +43,7 @@ def build_side(spec):
     rest = [p for p in model.parameters() if p.dim() < 2]
     kernel = implementation_kwargs(o.implementation, decay + rest, o.name)
     train = build_data(cfg, tokenizer, info.vocab_size, log=lambda msg: None).train
-    gbs, mbs = cfg.train.global_batch_size, cfg.train.micro_batch_size
+    gbs = cfg.train.global_batch_size
     batches = [train.get(list(range(b * gbs, (b + 1) * gbs))) for b in range(max(1, min(4, len(train) // gbs)))]
     return cfg, model, (decay, rest), kernel, batches
 

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tessera.errors import CheckpointError, CheckpointSaveError, FaultError, TesseraError, one_line
+from tessera.errors import CheckpointError, CheckpointSaveError, TesseraError, one_line
 
 COMPLETE = "COMPLETE.json"
 KEEP = "KEEP.json"  # a pinned checkpoint (e.g. the last finite one before divergence): never rotated away
@@ -52,8 +52,7 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 # Safe reading of DCP checkpoints: trainer/safe_load.py holds every unpickling (exact allow-lists).
 
 from tessera.pickles import load_tensors  # noqa: E402
-from trainer.safe_load import (  # noqa: E402,F401 - re-exported: strategies and trainer.export use these names
-    SafeFileSystemReader, SafeLoadPlanner)
+from trainer.safe_load import SafeFileSystemReader  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------------------------

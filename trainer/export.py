@@ -47,6 +47,7 @@ def export_checkpoint(checkpoint: str, out_dir: str, dtype: str | None = None) -
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from trainer import checkpoint as ckpt
+    from trainer.safe_load import SafeFileSystemReader
     from trainer.hf_export import write_hf_folder
 
     import transformers
@@ -71,7 +72,7 @@ def export_checkpoint(checkpoint: str, out_dir: str, dtype: str | None = None) -
     model = model.to_empty(device="cpu")
     state = {"model": model.state_dict()}
     try:
-        dcp.load(state, checkpoint_id=path, storage_reader=ckpt.SafeFileSystemReader(path),
+        dcp.load(state, checkpoint_id=path, storage_reader=SafeFileSystemReader(path),
                  planner=ckpt.SafeLoadPlanner(), no_dist=True)
     except (KeyboardInterrupt, SystemExit):
         raise

@@ -25,8 +25,7 @@ import contextlib
 import io
 import os
 import pickle
-import re
-from typing import Iterable, List, Optional
+from typing import List, Optional
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader

@@ -39,6 +39,42 @@ def ok(proc) -> None:
     assert proc.returncode == 0, f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-4000:]}"
 
 
+def memory_reports(root, runs: dict, overrides, workers: int, timeout: float = 300) -> dict:
+    """name -> memory.json of each run in `runs` (name -> (launcher, nproc, extra overrides)), `workers` of them
+    at a time (the runs are mostly start-up time)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def run(name):
+        launcher, nproc, extra = runs[name]
+        ok(launch(launcher, list(overrides) + list(extra), Path(root) / name, nproc=nproc, timeout=timeout))
+        return json.loads((Path(root) / name / "memory.json").read_text())
+
+    with ThreadPoolExecutor(workers) as pool:
+        return dict(zip(runs, pool.map(run, runs)))
+
+
+def curve_errors(recs, reference, same_steps: bool = False):
+    """(max relative loss error, max relative grad-norm error) of the logged steps `recs` against the same steps
+    of `reference` (which may hold more, unless `same_steps`)."""
+    ref = {r["step"]: r for r in reference}
+    steps = [r["step"] for r in recs]
+    assert recs and all(step in ref for step in steps), steps
+    if same_steps:
+        assert steps == [r["step"] for r in reference], (steps, [r["step"] for r in reference])
+    return (max(rel_err(r["loss"], ref[r["step"]]["loss"]) for r in recs),
+            max(rel_err(r["grad_norm"], ref[r["step"]]["grad_norm"]) for r in recs))
+
+
+def check_parity(name, recs, reference, tol=FP32_TOL, steps=10):
+    """Steps 1..`steps` of `recs` match the same steps of the reference within `tol` (relative), loss and grad
+    norm; prints and returns the errors."""
+    assert [r["step"] for r in recs] == list(range(1, steps + 1)), [r["step"] for r in recs]
+    loss_err, norm_err = curve_errors(recs, reference)
+    print(f"{name}: max relative loss error {loss_err:.2e}, grad-norm error {norm_err:.2e}")
+    assert loss_err < tol and norm_err < tol, (loss_err, norm_err)
+    return loss_err, norm_err
+
+
 def read_jsonl(path) -> list:
     with open(path) as fh:
         return [json.loads(line) for line in fh if line.strip()]

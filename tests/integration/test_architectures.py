@@ -23,7 +23,8 @@ import pytest
 
 from tests.archs import ARCHITECTURES, FP16_LAYOUTS, LAYOUTS, REFUSED, VOCAB, make_model_folder
 from tests.integration import arch_worker as W
-from tests.integration.conftest import FP32_TOL, REPO, VENV_BIN, free_port, read_jsonl, rel_err, run_process_group
+from tests.integration.conftest import (FP32_TOL, REPO, VENV_BIN, curve_errors, free_port, read_jsonl, rel_err,
+                                        run_process_group)
 
 ARCHS = list(ARCHITECTURES)
 # fp32 parity: relative error of each step's loss and grad norm (and the final val loss). Measured ~1e-7 in most
@@ -171,14 +172,11 @@ def _final_val_loss(run_dir) -> float:
     return evals[-1]["val_loss"]
 
 
-def _max_errors(recs, ref) -> tuple:
-    return (max(rel_err(r["loss"], s["loss"]) for r, s in zip(recs, ref)),
-            max(rel_err(r["grad_norm"], s["grad_norm"]) for r, s in zip(recs, ref)))
 
 
 def _check_parity(name: str, run_dir, ref_dir, tol: float) -> None:
     recs, ref = _curves(run_dir), _curves(ref_dir)
-    loss_err, norm_err = _max_errors(recs, ref)
+    loss_err, norm_err = curve_errors(recs, ref)
     val_err = rel_err(_final_val_loss(run_dir), _final_val_loss(ref_dir))
     print(f"{name}: max relative error vs single: loss {loss_err:.1e}, grad norm {norm_err:.1e}, "
           f"final val loss {val_err:.1e}")
@@ -278,9 +276,9 @@ def test_bf16_matches_bf16_single_and_leaves_fp32(matrix, layout):
     r = _finished(matrix, layout, "llama:bf16")
     ref = _finished(matrix, "single", "llama:bf16")
     recs, base = _curves(r["run_dir"]), _curves(ref["run_dir"])
-    loss_err, norm_err = _max_errors(recs, base)
+    loss_err, norm_err = curve_errors(recs, base)
     fp32 = _curves(_finished(matrix, layout, "llama")["run_dir"])
-    from_fp32 = max(_max_errors(recs, fp32))
+    from_fp32 = max(curve_errors(recs, fp32))
     print(f"llama bf16 {layout} vs single bf16: loss {loss_err:.1e}, grad norm {norm_err:.1e}; "
           f"vs its fp32 curve {from_fp32:.1e}")
     assert loss_err < BF16_TOL and norm_err < BF16_TOL, (loss_err, norm_err)
@@ -310,7 +308,7 @@ def test_fp16_pipeline_scales_its_loss_and_matches_single(matrix):
     base = _curves(_finished(matrix, "single", "llama:fp16")["run_dir"])
     assert all(r.get("loss_scale") for r in recs), recs
     assert [r["loss_scale"] for r in recs] == [r["loss_scale"] for r in base]
-    loss_err, norm_err = _max_errors(recs, base)
+    loss_err, norm_err = curve_errors(recs, base)
     print(f"llama fp16 pp vs single fp16: loss {loss_err:.1e}, grad norm {norm_err:.1e}")
     assert loss_err < TOL and norm_err < TOL, (loss_err, norm_err)
 
@@ -319,7 +317,7 @@ def test_bf16_differs_from_fp32(matrix):
     """bf16 really runs in bf16: its curve leaves fp32's by more than fp32 rounding, and stays close to it."""
     bf16 = _curves(_finished(matrix, "single", "llama:bf16")["run_dir"])
     fp32 = _curves(_finished(matrix, "single", "llama")["run_dir"])
-    loss_err, norm_err = _max_errors(bf16, fp32)
+    loss_err, norm_err = curve_errors(bf16, fp32)
     print(f"llama single bf16 vs fp32: loss {loss_err:.1e}, grad norm {norm_err:.1e}")
     assert max(loss_err, norm_err) > 1e-5, (loss_err, norm_err)  # fp32 layouts agree within ~1e-7
     assert loss_err < 5e-2, loss_err

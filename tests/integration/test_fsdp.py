@@ -9,7 +9,7 @@ import json
 import pytest
 
 from tests.integration.conftest import (
-    FP32_TOL, SMALL, check_export, check_pretrained_loaded, launch, metrics, ok, pretrained_overrides, rel_err)
+    FP32_TOL, SMALL, check_export, check_parity, check_pretrained_loaded, curve_errors, launch, metrics, ok, pretrained_overrides)
 
 # Global batch 8, 10 steps, fp32; nothing written that the test does not read.
 TEN = SMALL + ["train.max_steps=10", "train.log_every=1", "train.global_batch_size=8", "eval.every=0",
@@ -57,30 +57,18 @@ def hsdp_run(tmp_path_factory):
     return run_dir
 
 
-def _max_errors(recs, reference):
-    """Max relative loss and grad-norm errors over the steps of `recs` (the reference may hold more steps)."""
-    ref = {r["step"]: r for r in reference}
-    assert recs and all(r["step"] in ref for r in recs), [r["step"] for r in recs]
-    return (max(rel_err(r["loss"], ref[r["step"]]["loss"]) for r in recs),
-            max(rel_err(r["grad_norm"], ref[r["step"]]["grad_norm"]) for r in recs))
 
 
-def _check_parity(name, recs, reference, tol=FP32_TOL, steps=10):
-    assert [r["step"] for r in recs] == list(range(1, steps + 1))
-    loss_err, norm_err = _max_errors(recs, reference)
-    print(f"{name}: max relative loss error {loss_err:.2e}, grad-norm error {norm_err:.2e}")
-    assert loss_err < tol and norm_err < tol, (loss_err, norm_err)
-    return loss_err, norm_err
 
 
 # ---- parity with one process ---------------------------------------------------------------------------------
 def test_fsdp_ws2_with_accumulation_matches_single_process(reference, fsdp_run):
     """Also shows that saving, evaluating and exporting do not disturb training."""
-    _check_parity("fsdp-ws2 (accumulation 2)", metrics(fsdp_run), reference)
+    check_parity("fsdp-ws2 (accumulation 2)", metrics(fsdp_run), reference)
 
 
 def test_hsdp_2x2_matches_single_process(reference, hsdp_run):
-    _check_parity("hsdp-ws4 (2x2)", metrics(hsdp_run), reference)
+    check_parity("hsdp-ws4 (2x2)", metrics(hsdp_run), reference)
 
 
 CASES = [
@@ -96,7 +84,7 @@ CASES = [
 def test_fsdp_variants_match_single_process(reference, tmp_path, case):
     name, nproc, micro, extra = case
     ok(launch("torchrun", TEN + [f"train.micro_batch_size={micro}"] + extra, tmp_path, nproc=nproc))
-    _check_parity(name, metrics(tmp_path), reference)
+    check_parity(name, metrics(tmp_path), reference)
 
 
 def test_fsdp_compiled_blocks_match_single_process(reference, tmp_path):
@@ -104,7 +92,7 @@ def test_fsdp_compiled_blocks_match_single_process(reference, tmp_path):
     10-step reference (the lr of the first two updates does not depend on train.max_steps with 1 warmup step)."""
     ok(launch("torchrun", TEN + ["strategy=fsdp", "train.micro_batch_size=2", "train.compile=true",
                                  "train.max_steps=3"], tmp_path, nproc=2, timeout=600))
-    _check_parity("fsdp-ws2-compile", metrics(tmp_path), reference, tol=COMPILE_TOL, steps=3)
+    check_parity("fsdp-ws2-compile", metrics(tmp_path), reference, tol=COMPILE_TOL, steps=3)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -113,7 +101,7 @@ def test_fsdp_mixed_precision_stays_within_tolerance(reference, tmp_path, precis
               nproc=2))
     recs = metrics(tmp_path)
     assert [r["step"] for r in recs] == list(range(1, 11))
-    loss_err, norm_err = _max_errors(recs, reference)
+    loss_err, norm_err = curve_errors(recs, reference)
     print(f"fsdp-ws2 {precision} vs fp32: max relative loss error {loss_err:.2e}, grad-norm error {norm_err:.2e}")
     assert loss_err < MIXED_TOL, loss_err
     # The parameters really were cast: fp32 FSDP reproduces the reference to ~1e-7 (see the tests above).
@@ -146,7 +134,7 @@ def test_fsdp_resume_is_bit_exact(fsdp_run, tmp_path):
 def test_fsdp_ws2_checkpoint_resumes_as_hsdp_2x2(fsdp_run, tmp_path):
     recs, out = _resume(fsdp_run, ["strategy=hsdp", "strategy.dp_shard=2"], 4, 1, tmp_path)
     assert "saved at world size 2, now 4" in out
-    loss_err, norm_err = _max_errors(recs, metrics(fsdp_run))
+    loss_err, norm_err = curve_errors(recs, metrics(fsdp_run))
     print(f"fsdp-ws2 -> hsdp-ws4 resume: max relative loss error {loss_err:.2e}, grad-norm error {norm_err:.2e}")
     assert loss_err < FP32_TOL and norm_err < FP32_TOL, (loss_err, norm_err)
 
@@ -154,7 +142,7 @@ def test_fsdp_ws2_checkpoint_resumes_as_hsdp_2x2(fsdp_run, tmp_path):
 def test_hsdp_checkpoint_resumes_as_fsdp_ws2(hsdp_run, tmp_path):
     recs, out = _resume(hsdp_run, ["strategy=fsdp"], 2, 2, tmp_path)
     assert "saved at world size 4, now 2" in out
-    loss_err, norm_err = _max_errors(recs, metrics(hsdp_run))
+    loss_err, norm_err = curve_errors(recs, metrics(hsdp_run))
     print(f"hsdp-ws4 -> fsdp-ws2 resume: max relative loss error {loss_err:.2e}, grad-norm error {norm_err:.2e}")
     assert loss_err < FP32_TOL and norm_err < FP32_TOL, (loss_err, norm_err)
 
@@ -176,7 +164,7 @@ def test_fsdp_loads_pretrained_weights_shard_by_shard(data_source, pretrained_re
     ok(launch("torchrun", common + ["strategy=fsdp"], tmp_path / "fsdp", nproc=2))
     ref, recs = metrics(pretrained_reference), metrics(tmp_path / "fsdp")
     assert [r["step"] for r in recs] == [r["step"] for r in ref] == [1, 2, 3, 4, 5]
-    loss_err, norm_err = _max_errors(recs, ref)
+    loss_err, norm_err = curve_errors(recs, ref)
     memory = json.loads((tmp_path / "fsdp" / "memory.json").read_text())
     full = memory["num_params"] * 4
     after = [rank["points"]["after_step"]["params"] / full for rank in memory["ranks"]]

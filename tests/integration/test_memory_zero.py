@@ -4,12 +4,9 @@ public APIs: module parameters, the client optimizer's param groups and state, d
 ZeRO shards what its stage promises."""
 from __future__ import annotations
 
-import json
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 
-from tests.integration.conftest import SMALL, launch, ok, rel_err
+from tests.integration.conftest import SMALL, memory_reports, rel_err
 
 ONE_STEP = SMALL + ["precision=bf16", "train.max_steps=1", "train.global_batch_size=2", "train.micro_batch_size=1",
                     "eval.every=0", "eval.at_end=false", "export.hf_at_end=false", "checkpoint.at_end=false",
@@ -26,15 +23,7 @@ RUNS = {
 @pytest.fixture(scope="module")
 def memory(tmp_path_factory):
     """name -> memory.json of that run. The three runs start together (they are mostly start-up time)."""
-    root = tmp_path_factory.mktemp("memory")
-
-    def run(name):
-        launcher, nproc, extra = RUNS[name]
-        ok(launch(launcher, ONE_STEP + extra, root / name, nproc=nproc, timeout=240))
-        return json.loads((root / name / "memory.json").read_text())
-
-    with ThreadPoolExecutor(len(RUNS)) as pool:
-        return dict(zip(RUNS, pool.map(run, RUNS)))
+    return memory_reports(tmp_path_factory.mktemp("memory"), RUNS, ONE_STEP, workers=len(RUNS), timeout=240)
 
 
 def _after(data, key):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.integration.conftest import (
-    EXPORT_IDS, FP32_TOL, SMALL, check_export, check_pretrained_loaded, launch, metrics, ok, pretrained_overrides,
+    EXPORT_IDS, FP32_TOL, SMALL, check_export, check_parity, check_pretrained_loaded, curve_errors, launch, metrics, ok, pretrained_overrides,
     read_jsonl, rel_err)
 
 # SMALL with 4 decoder blocks, so that the looped / V-shaped schedules (2 stages per rank x 2 ranks) get a
@@ -76,27 +76,14 @@ def pp_run(tmp_path_factory):
     return run_dir
 
 
-def _max_errors(recs, reference):
-    """Max relative loss and grad-norm errors over the steps of `recs` (the reference may hold more steps)."""
-    ref = {r["step"]: r for r in reference}
-    assert recs and all(r["step"] in ref for r in recs), [r["step"] for r in recs]
-    return (max(rel_err(r["loss"], ref[r["step"]]["loss"]) for r in recs),
-            max(rel_err(r["grad_norm"], ref[r["step"]]["grad_norm"]) for r in recs))
 
 
-def _check_parity(name, recs, reference, tol=FP32_TOL, steps=10):
-    """Steps 1..`steps` of `recs` against the same steps of the reference (which may hold more)."""
-    assert [r["step"] for r in recs] == list(range(1, steps + 1)), [r["step"] for r in recs]
-    loss_err, norm_err = _max_errors(recs, reference)
-    print(f"{name}: max relative loss error {loss_err:.2e}, grad-norm error {norm_err:.2e}")
-    assert loss_err < tol and norm_err < tol, (loss_err, norm_err)
-    return loss_err, norm_err
 
 
 # ---- parity with one process ---------------------------------------------------------------------------------
 def test_tp_ws2_with_accumulation_matches_single_process(reference, tp_run):
     """Also shows that saving, evaluating and exporting do not disturb training."""
-    _check_parity("tp-ws2 (accumulation 4)", metrics(tp_run), metrics(reference))
+    check_parity("tp-ws2 (accumulation 4)", metrics(tp_run), metrics(reference))
 
 
 def test_tp_gradients_keep_their_parameters_layout(tp_run):
@@ -126,7 +113,7 @@ def test_pp_ws2_schedule_matches_single_process(reference, request, tmp_path, sc
             held = [r["points"]["optimizer_step"]["params"] for r in ranks]
             print(f"pp-{schedule} with {extra[0]}: parameter bytes per stage {held}")
             assert held[1] - held[0] == pytest.approx(2 * BLOCK_BYTES, rel=0.01), (held, BLOCK_BYTES)
-    _check_parity(f"pp-{schedule} ws2 (4 micro-batches{', ' + extra[0] if extra else ''})", metrics(run_dir),
+    check_parity(f"pp-{schedule} ws2 (4 micro-batches{', ' + extra[0] if extra else ''})", metrics(run_dir),
                   metrics(reference), steps=steps)
 
 
@@ -150,7 +137,7 @@ def test_hybrid_layouts_match_single_process(reference, tmp_path, case):
     _launch_checked(tmp_path, TEN + [f"strategy={strategy}", f"train.micro_batch_size={micro}",
                                      f"train.max_steps={steps}"] + extra, nproc, strategy, dp,
                     timeout=900 if nproc > 4 else 600)
-    _check_parity(name, metrics(tmp_path), metrics(reference), steps=steps)
+    check_parity(name, metrics(tmp_path), metrics(reference), steps=steps)
 
 
 @pytest.fixture(scope="module")
@@ -178,8 +165,8 @@ def test_bf16_hybrids_compute_in_bf16(reference, reference_bf16, tmp_path, case)
     _launch_checked(tmp_path, TEN + overrides + ["train.micro_batch_size=2", "precision=bf16"], 4, strategy, dp,
                     timeout=600)
     recs = metrics(tmp_path)
-    loss_err, norm_err = _max_errors(recs, metrics(reference_bf16))
-    from_fp32 = max(_max_errors(recs, metrics(reference)))
+    loss_err, norm_err = curve_errors(recs, metrics(reference_bf16))
+    from_fp32 = max(curve_errors(recs, metrics(reference)))
     print(f"{name} bf16 vs single bf16: loss {loss_err:.1e}, grad norm {norm_err:.1e}; vs fp32 {from_fp32:.1e}")
     # bf16 vs bf16 on another layout: the same roundings to 8 mantissa bits (~4e-3 relative each) happen in
     # another summation order (tensor-parallel partial sums, pipeline micro-batches), over 10 steps.
@@ -223,7 +210,7 @@ def _check_bit_exact(name, first, recs, run_dir):
 
 
 def _check_close(name, first, recs, run_dir, tol=FP32_TOL):
-    loss_err, norm_err = _max_errors(recs, metrics(first))
+    loss_err, norm_err = curve_errors(recs, metrics(first))
     val_got, val_before = (read_jsonl(d / "eval.jsonl")[-1] for d in (run_dir, first))
     assert val_got["step"] == val_before["step"] == 10, (val_got, val_before)
     val_err = rel_err(val_got["val_loss"], val_before["val_loss"])
@@ -296,6 +283,6 @@ def test_tp_pretrained_model_matches_single_process(data_source, pretrained_refe
     stories260K's widths written by the test session; [real]: stories260K."""
     common = pretrained_overrides(data_source)
     _launch_checked(tmp_path / "tp", common + ["strategy=tp"], 2, "tp", 1)
-    _check_parity(f"tp pretrained ({data_source.name}) ws2", metrics(tmp_path / "tp"),
+    check_parity(f"tp pretrained ({data_source.name}) ws2", metrics(tmp_path / "tp"),
                   metrics(pretrained_reference), steps=5)
     check_pretrained_loaded(tmp_path / "tp", data_source, common, f"tp pretrained ({data_source.name})")

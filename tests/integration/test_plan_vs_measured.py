@@ -2,15 +2,12 @@
 in real runs (memory.json, logging.memory_report=true) at world sizes 2 and 4, within 10%."""
 from __future__ import annotations
 
-import json
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 
 from models import registry
 from models.tokenizer import embedded_tokenizer
 from tests.conftest import compose_config
-from tests.integration.conftest import launch, ok, rel_err
+from tests.integration.conftest import memory_reports, rel_err
 from trainer.plan import estimate
 
 MODEL = ["model.hidden_size=128", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
@@ -32,15 +29,7 @@ RUNS = {
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-    root = tmp_path_factory.mktemp("plan")
-
-    def run(name):
-        launcher, n, extra = RUNS[name]
-        ok(launch(launcher, ONE_STEP + extra, root / name, nproc=n, timeout=300))
-        return json.loads((root / name / "memory.json").read_text())
-
-    with ThreadPoolExecutor(2) as pool:
-        return dict(zip(RUNS, pool.map(run, RUNS)))
+    return memory_reports(tmp_path_factory.mktemp("plan"), RUNS, ONE_STEP, workers=2)
 
 
 @pytest.mark.parametrize("name", list(RUNS))

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from trainer.checkpoint import CheckpointError, SafeFileSystemReader, SafeLoadPlanner
+from tessera.errors import CheckpointError
+from trainer.safe_load import SafeFileSystemReader, SafeLoadPlanner
 
 
 class _Exploit:

@@ -11,7 +11,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tests.payloads import SystemCall, stack_global_call
-from trainer.checkpoint import CheckpointError, SafeFileSystemReader
+from tessera.errors import CheckpointError
+from trainer.safe_load import SafeFileSystemReader
 from tessera.errors import ModelError, TesseraError
 from tessera.pickles import load_tensors
 from trainer.safe_load import DCP_METADATA_GLOBALS, check_deepspeed_files, deepspeed_loads_weights_only

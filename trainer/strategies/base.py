@@ -227,7 +227,7 @@ class Strategy:
     def load_checkpoint_from(self, folder: str, group, weights_only: bool, param_groups) -> None:
         import torch.distributed.checkpoint as dcp
 
-        from trainer.checkpoint import SafeFileSystemReader, SafeLoadPlanner
+        from trainer.safe_load import SafeFileSystemReader, SafeLoadPlanner
 
         state = self.checkpoint_state(model_only=weights_only)
         dcp.load(state, checkpoint_id=folder, storage_reader=SafeFileSystemReader(folder), planner=SafeLoadPlanner(),
@@ -409,8 +409,6 @@ def clip_to_norm(params, norm: torch.Tensor, max_norm: float) -> torch.Tensor:
 def compile_problems(device_spec: str) -> List[str]:
     """Whether torch.compile (inductor) can run here: dynamo on this Python, Triton for CUDA, a C++ compiler
     for the CPU."""
-    import shutil
-
     if not torch._dynamo.is_dynamo_supported():  # torch offers this check only under torch._dynamo
         return ["train.compile=true: torch.compile does not support this Python/platform; set train.compile=false"]
     cuda = device_spec.startswith("cuda") or (device_spec == "auto" and torch.cuda.is_available())

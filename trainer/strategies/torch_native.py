@@ -407,7 +407,7 @@ class TorchNativeStrategy(Strategy):
             return super().load_checkpoint_from(folder, group, weights_only, param_groups)
         import torch.distributed.checkpoint as dcp
 
-        from trainer.checkpoint import SafeFileSystemReader, SafeLoadPlanner
+        from trainer.safe_load import SafeFileSystemReader, SafeLoadPlanner
 
         embed, head = self.tied
         saved = SafeFileSystemReader(folder).read_metadata().state_dict_metadata
