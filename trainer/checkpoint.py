@@ -314,6 +314,20 @@ class RunIdentity:
     tokenizer: object  # saved beside the model's config (hf_config/) for `python -m trainer.export`
 
 
+def _save_failure(e: BaseException, folder: str) -> str:
+    """Why a save failed, in one line. torch.save's zip writer reports a full disk as "file write failed" without
+    an errno, so a failure with (almost) no free space left is named as what it is."""
+    reason = one_line(e)
+    if "Errno" not in reason:
+        try:
+            free = shutil.disk_usage(folder if os.path.isdir(folder) else os.path.dirname(folder)).free
+        except OSError:
+            return reason
+        if free < 1 << 20:
+            reason = f"No space left on device ({free // 1024} KiB free under {os.path.dirname(folder)}; {reason})"
+    return reason
+
+
 class CheckpointManager:
     """save(step) / load(path) / wait() / close(). The strategy saves and loads the model and optimizer tensors;
     the scheduler, the loss scaler (`strategy.precision`), the sampler's position and the progress counters go
@@ -383,9 +397,10 @@ class CheckpointManager:
                 import traceback
 
                 traceback.print_exc()
+            reason = _save_failure(e, tmp)  # before abandoning: the partial files still take their space
             self._abandon(tmp)
-            raise CheckpointSaveError(f"saving the checkpoint of step {step} failed: {one_line(e)}; the earlier "
-                                  f"checkpoints are intact") from None
+            raise CheckpointSaveError(f"saving the checkpoint of step {step} failed: {reason}; the earlier "
+                                      f"checkpoints are intact") from None
         self.last_saved_step = step
 
     def wait(self) -> None:
@@ -399,9 +414,10 @@ class CheckpointManager:
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # noqa: BLE001
+            reason = _save_failure(e, tmp)
             self._abandon(tmp)
-            raise CheckpointSaveError(f"the background save of step {step} failed: {one_line(e)}; the earlier "
-                                  f"checkpoints are intact") from None
+            raise CheckpointSaveError(f"the background save of step {step} failed: {reason}; the earlier "
+                                      f"checkpoints are intact") from None
         self._finalize(tmp, final, step, t0, result if isinstance(result, _Checksums) else None)
 
     def poll(self) -> None:
