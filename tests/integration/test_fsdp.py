@@ -156,11 +156,11 @@ def test_export_logits_equal_trained_model(fsdp_run, tmp_path):
 
 
 # ---- pretrained weights --------------------------------------------------------------------------------------
-def test_fsdp_loads_pretrained_weights_shard_by_shard(data_source, pretrained_reference, tmp_path):
+def test_fsdp_loads_pretrained_weights_shard_by_shard(generated_data, pretrained_reference, tmp_path):
     """model=hf under fsdp: built on the meta device, each rank reads only its rows; the pretrained weights (not a
     fresh initialization) are trained, the same numbers as one process, and each rank holds about half of the
-    parameters. [generated]: a tiny Llama written by the test session; [real]: stories260K."""
-    common = pretrained_overrides(data_source)
+    parameters. The model is a tiny Llama written by the test session."""
+    common = pretrained_overrides(generated_data)
     ok(launch("torchrun", common + ["strategy=fsdp"], tmp_path / "fsdp", nproc=2))
     ref, recs = metrics(pretrained_reference), metrics(tmp_path / "fsdp")
     assert [r["step"] for r in recs] == [r["step"] for r in ref] == [1, 2, 3, 4, 5]
@@ -168,12 +168,12 @@ def test_fsdp_loads_pretrained_weights_shard_by_shard(data_source, pretrained_re
     memory = json.loads((tmp_path / "fsdp" / "memory.json").read_text())
     full = memory["num_params"] * 4
     after = [rank["points"]["after_step"]["params"] / full for rank in memory["ranks"]]
-    print(f"fsdp pretrained ({data_source.name}) ws2: max relative loss error {loss_err:.2e}, grad-norm error "
+    print(f"fsdp pretrained ({generated_data.name}) ws2: max relative loss error {loss_err:.2e}, grad-norm error "
           f"{norm_err:.2e}; built params per rank {[r['built_params'] for r in memory['ranks']]} B, params after "
           f"the step {', '.join(f'{a:.3f}' for a in after)} of the fp32 model")
     assert loss_err < FP32_TOL and norm_err < FP32_TOL, (loss_err, norm_err)
-    check_pretrained_loaded(tmp_path / "fsdp", data_source, common, f"fsdp pretrained ({data_source.name})")
-    assert memory["num_params"] == data_source.num_params and len(memory["ranks"]) == 2
+    check_pretrained_loaded(tmp_path / "fsdp", generated_data, common, f"fsdp pretrained ({generated_data.name})")
+    assert memory["num_params"] == generated_data.num_params and len(memory["ranks"]) == 2
     for rank, share in zip(memory["ranks"], after):
         assert rank["built_params"] == 0, rank  # every parameter on the meta device at construction
         assert 0.45 < share < 0.55, (rank["rank"], share)  # this rank's shard: half the model

@@ -276,13 +276,13 @@ def test_tp_and_pp_exports_agree(tp_run, pp_run):
 
 
 # ---- pretrained weights --------------------------------------------------------------------------------------
-def test_tp_pretrained_model_matches_single_process(data_source, pretrained_reference, tmp_path):
+def test_tp_pretrained_model_matches_single_process(generated_data, pretrained_reference, tmp_path):
     """model=hf (Llama): split by its config's base_model_tp_plan (8 heads, 4 KV heads, intermediate 172,
     vocabulary 512 over 2 ranks), each rank loading its slices; the pretrained weights (not a fresh
-    initialization) are trained, the same numbers as one process over 5 steps. [generated]: a tiny Llama of
-    stories260K's widths written by the test session; [real]: stories260K."""
-    common = pretrained_overrides(data_source)
+    initialization) are trained, the same numbers as one process over 5 steps. The model is a tiny Llama of
+    stories260K's widths written by the test session."""
+    common = pretrained_overrides(generated_data)
     _launch_checked(tmp_path / "tp", common + ["strategy=tp"], 2, "tp", 1)
-    check_parity(f"tp pretrained ({data_source.name}) ws2", metrics(tmp_path / "tp"),
+    check_parity(f"tp pretrained ({generated_data.name}) ws2", metrics(tmp_path / "tp"),
                   metrics(pretrained_reference), steps=5)
-    check_pretrained_loaded(tmp_path / "tp", data_source, common, f"tp pretrained ({data_source.name})")
+    check_pretrained_loaded(tmp_path / "tp", generated_data, common, f"tp pretrained ({generated_data.name})")

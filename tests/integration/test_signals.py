@@ -170,7 +170,12 @@ def _graceful(tmp_path, case, launcher, strategy, sig, target="launcher", code=0
 ], ids=["python-single-TERM", "launch.sh-ddp-TERM", "launch.sh-ddp-INT", "launch.sh-zero2-TERM"])
 def test_a_signal_to_the_launcher_saves_and_exits_0(tmp_path, launcher, strategy, sig):
     ranks = "1 process" if launcher == "python" else "2 ranks"
-    _graceful(tmp_path, f"{signal.Signals(sig).name} to {launcher} ({strategy}, {ranks})", launcher, strategy, sig)
+    proc, _ = _graceful(tmp_path, f"{signal.Signals(sig).name} to {launcher} ({strategy}, {ranks})", launcher,
+                        strategy, sig)
+    if launcher == "launch.sh":  # launch.sh picked the strategy's launcher: deepspeed for ZeRO, torchrun otherwise
+        out = proc.stdout + proc.stderr
+        assert ("deepspeed.launcher.launch" in out) == strategy.startswith("zero"), out[-3000:]
+        assert f"strategy {strategy} world 2" in out
 
 
 def test_sigterm_to_one_rank_stops_all_and_the_launcher_exits_0(tmp_path):
