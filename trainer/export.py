@@ -47,7 +47,7 @@ def export_checkpoint(checkpoint: str, out_dir: str, dtype: str | None = None) -
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from trainer import checkpoint as ckpt
-    from trainer.safe_load import SafeFileSystemReader
+    from trainer.safe_load import SafeFileSystemReader, SafeLoadPlanner
     from trainer.hf_export import write_hf_folder
 
     import transformers
@@ -73,7 +73,7 @@ def export_checkpoint(checkpoint: str, out_dir: str, dtype: str | None = None) -
     state = {"model": model.state_dict()}
     try:
         dcp.load(state, checkpoint_id=path, storage_reader=SafeFileSystemReader(path),
-                 planner=ckpt.SafeLoadPlanner(), no_dist=True)
+                 planner=SafeLoadPlanner(), no_dist=True)
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
