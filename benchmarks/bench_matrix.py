@@ -64,7 +64,7 @@ def memory(report) -> dict:
     if not report or not report.get("ranks"):
         return None
     ranks = report["ranks"]
-    categories = ("params", "master_params", "optimizer", "grads", "gathered", "buffers", "other", "model_states")
+    categories = ("params", "master_params", "optimizer", "grads", "gathered", "model_states")
     return {c: max(r.get(c, 0) or 0 for r in ranks) for c in categories if any(c in r for r in ranks)}
 
 
