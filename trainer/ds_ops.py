@@ -115,17 +115,29 @@ def _last_change(folder: str) -> float:
 
 def lock_state(name: str, now: Optional[float] = None, grace: Optional[float] = None) -> tuple:
     """(lock path, state): "none" (no lock), "live" (a process is building), "recent" (no builder seen, but the
-    folder changed within the grace period: a build may be starting) or "stale"."""
+    lock or the folder changed within the grace period: a build may be starting) or "stale".
+
+    Every process that loads the op takes the lock for a moment (torch runs a no-op ninja under it), so the
+    lock is stat'ed before anything else and must still be the same file afterwards: a lock released while it
+    is judged is not stale."""
     folder = build_dir(name)
     lock = os.path.join(folder, "lock")
-    if not os.path.exists(lock):
+    try:
+        seen = os.stat(lock)
+    except OSError:
         return lock, "none"
     if builders(folder):
         return lock, "live"
     now = time.time() if now is None else now
     grace = lock_grace_s() if grace is None else grace
-    if now - _last_change(folder) < grace:
+    if now - max(seen.st_mtime, _last_change(folder)) < grace:
         return lock, "recent"
+    try:
+        again = os.stat(lock)
+    except OSError:
+        return lock, "none"
+    if (again.st_ino, again.st_mtime_ns) != (seen.st_ino, seen.st_mtime_ns):
+        return lock, "recent"  # released and taken again while it was judged
     return lock, "stale"
 
 

@@ -56,6 +56,26 @@ def test_a_fresh_lock_is_a_build_starting_until_the_grace_period_passes(ext_dir)
         ds_ops.wait_for_locks([ds_ops.SHM_COMM], say=print, grace=0.5, poll=0.1)
 
 
+def test_a_lock_released_while_it_is_judged_is_not_stale(ext_dir, monkeypatch):
+    """Every loading process holds the lock for a moment; one released between the checks (the folder's other
+    files long unchanged) once read as stale and killed a healthy run (CI, three ZeRO launches at once)."""
+    for old in ("build.ninja", "shm.o"):
+        (ext_dir / old).touch()
+        _age(ext_dir / old, 600)
+    lock = ext_dir / "lock"
+    lock.touch()
+
+    def released_meanwhile(folder):
+        lock.unlink()
+        return []
+
+    monkeypatch.setattr(ds_ops, "builders", released_meanwhile)
+    assert ds_ops.lock_state(ds_ops.SHM_COMM)[1] != "stale"
+    lock.touch()
+    _age(lock, 600)
+    assert ds_ops.lock_state(ds_ops.SHM_COMM)[1] == "none"  # old lock, but gone by the time it is judged
+
+
 def test_a_lock_with_a_process_working_in_the_folder_is_live(ext_dir):
     lock = ext_dir / "lock"
     lock.touch()
