@@ -9,8 +9,8 @@
 #   ./launch.sh strategy=single train.max_steps=50
 #   ./launch.sh model=hf model.name_or_path=/models/my-llama data=text data.path=/data/corpus.txt
 #
-# Environment: NPROC_PER_NODE (default: the local GPUs, or 2 processes on a CPU-only machine), NNODES (1),
-# NODE_RANK (0), MASTER_ADDR, MASTER_PORT, HOSTFILE (deepspeed), TESSERA_VENV (default ./.venv),
+# Environment: NPROC_PER_NODE (default: the local GPUs, or 2 processes on a CPU-only machine), NNODES (1; MIN:MAX
+# for an elastic job, see README "When ranks fail"), NODE_RANK (0), MASTER_ADDR, MASTER_PORT, RDZV_ID (elastic), HOSTFILE (deepspeed), TESSERA_VENV (default ./.venv),
 # TESSERA_PYTHON (the interpreter that creates the venv, default python3), TESSERA_TORCH (the torch
 # requirement installed first, default torch==2.13.0).
 set -euo pipefail
@@ -70,7 +70,10 @@ if [ "${1:-}" = "plan" ]; then  # preflight: memory and checks for NPROC_PER_NOD
   NPROC_PER_NODE="$NPROC_PER_NODE" NNODES="$NNODES" exec "$PY" -m trainer.plan "$@"
 fi
 
-launcher="$("$PY" -m trainer.launch_plan "$@")"
+# The launcher the strategy needs and train.max_restarts: a launch that fails on a fault (a rank killed or lost, a
+# stalled rank) is started again that many times and continues from the newest complete checkpoint.
+read -r launcher restarts <<<"$("$PY" -m trainer.launch_plan "$@")"
+export TESSERA_MAX_RESTARTS="$restarts"
 case "$launcher" in
   python)
     exec "$PY" trainer/main.py "$@"
@@ -78,6 +81,14 @@ case "$launcher" in
   torchrun)
     if [ "$NNODES" = 1 ] && [ -z "${MASTER_PORT:-}" ]; then
       exec "$PY" -m trainer.torchrun --standalone --nproc_per_node "$NPROC_PER_NODE" trainer/main.py "$@"
+    fi
+    if [[ "$NNODES" == *:* ]]; then
+      # Elastic membership (NNODES=MIN:MAX): torchrun's agents re-form the job when a node leaves or joins, so
+      # its own restarts do the work; every node runs this same line (MASTER_ADDR:MASTER_PORT is the rendezvous).
+      export TESSERA_MAX_RESTARTS=0
+      exec "$PY" -m trainer.torchrun --nnodes "$NNODES" --nproc_per_node "$NPROC_PER_NODE" \
+        --max-restarts "$restarts" --rdzv-backend c10d --rdzv-endpoint "${MASTER_ADDR:-127.0.0.1}:${MASTER_PORT:-29500}" \
+        --rdzv-id "${RDZV_ID:-tessera}" trainer/main.py "$@"
     fi
     exec "$PY" -m trainer.torchrun --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$NPROC_PER_NODE" \
       --master_addr "${MASTER_ADDR:-127.0.0.1}" --master_port "${MASTER_PORT:-29500}" trainer/main.py "$@"

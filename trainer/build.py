@@ -22,7 +22,7 @@ from models import registry
 from models.init import initial_weights
 from trainer import checkpoint as ckpt
 from trainer import config as C
-from trainer import parallel, rundir
+from trainer import parallel, restarts, rundir, watchdog
 from trainer.data.datasets import DataSplits, build_data
 from trainer.data.sampler import GlobalBatchSampler
 from tessera.errors import ConfigError, ModelError, TesseraError
@@ -88,6 +88,7 @@ def prepare(cfg: C.TesseraConfig, run_dir: str) -> Prepared:
 
     transformers.utils.logging.disable_progress_bar()  # our own progress output only
     world_size = parallel.env_world_size()
+    restarts.continue_run(cfg, run_dir, log0)  # a restarted launch continues its run (trainer/restarts.py)
     dims, cls, tokenizer, info = check(cfg, world_size)
     from trainer.cli import writable_problems  # read-only run / cache folders: one message naming the key
 
@@ -179,6 +180,7 @@ class Run:
     checkpointer: Optional[ckpt.CheckpointManager] = None
     stop: Optional[StopRequest] = None
     stopped_by: str = ""
+    watchdog: object = None  # trainer/watchdog.py: progress and heartbeats
 
     # The loop's counters live in `progress` (the checkpoint manager's collaborator); the run reads as before.
     step = property(lambda self: self.progress.step, lambda self, v: setattr(self.progress, "step", v))
@@ -199,6 +201,8 @@ def build(p: Prepared) -> Run:
         parallel.init_process_group(device, cfg.train.collective_timeout_s)
         _check_run_dir_agreement(p.run_dir)
     rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    watch = watchdog.start(p.run_dir, rank, world, cfg.train.collective_timeout_s)  # names a stalled rank
     precision = Precision(cfg, device)
     strategy = p.strategy_cls(cfg, p.dims, device, precision)
     strategy.run_dir = p.run_dir
@@ -231,7 +235,8 @@ def build(p: Prepared) -> Run:
     sampler = GlobalBatchSampler(len(p.data.train), cfg.train.global_batch_size, cfg.train.seed)
     desc = f"{cfg.model.kind}:{cfg.model.name_or_path or 'preset'} {num_params / 1e6:.2f}M params"
     run = Run(cfg, p.run_dir, strategy, p.data, sampler, scheduler, p.tokenizer, p.model_info, logger, device,
-              accum, num_params, model_shapes=p.model_shapes, model_desc=desc, built_param_bytes=built_param_bytes)
+              accum, num_params, model_shapes=p.model_shapes, model_desc=desc, built_param_bytes=built_param_bytes,
+              watchdog=watch)
     identity = ckpt.RunIdentity(cfg, p.data.fingerprint, p.model_shapes, desc, p.tokenizer)
     run.checkpointer = ckpt.CheckpointManager(p.run_dir, strategy, scheduler, sampler, run.progress, identity, logger)
     if p.resume_path:
@@ -268,6 +273,7 @@ def close(run: Optional[Run], graceful: bool = True) -> None:
         if run.checkpointer is not None and graceful:
             run.checkpointer.close()
         run.logger.close()
+        run.watchdog.close()
         run.strategy.close()
         run.scheduler = run.checkpointer = None  # the checkpointer holds the scheduler too
     gc.collect()

@@ -229,15 +229,18 @@ def fault_message(e: BaseException):
     first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
     detail = first[first.rfind("] ") + 2:] if "] " in first else first  # past gloo's [file:line] prefixes
     detail = detail.split(". This is typically")[0][:200]
+    watch = getattr(sys.modules.get("trainer.watchdog"), "active", lambda: None)()
     if any(p in text for p in _PEER_GONE):
-        return f"{_peer()} is gone: the connection to it closed ({detail}); it died or was killed, see its own " \
-               f"output (or the launcher's) for why; resume with checkpoint.resume=auto"
+        who = f" ({watch.who_stalled()})" if watch is not None else ""
+        return f"{_peer()} is gone: the connection to it closed ({detail}){who}; it died or was killed, see its " \
+               f"own output (or the launcher's) for why; resume with checkpoint.resume=auto"
     if any(p in text for p in _TIMED_OUT):
         timeout = getattr(sys.modules.get("trainer.parallel"), "COLLECTIVE_TIMEOUT_S", None)
         limit = f"train.collective_timeout_s={timeout:g}" if timeout else "train.collective_timeout_s"
-        return (f"a collective timed out after {limit} seconds ({detail}): {_peer()} stopped responding (stalled, "
-                f"stopped or much slower); check it, or raise train.collective_timeout_s if a step legitimately "
-                f"takes longer")
+        who = (f"after step {watch.step}; {watch.who_stalled()}" if watch is not None
+               else f"{_peer()} stopped responding (stalled, stopped or much slower)")
+        return (f"a collective timed out after {limit} seconds ({detail}) {who}; check it, or raise "
+                f"train.collective_timeout_s if a step legitimately takes longer")
     if dist_error:
         return f"a communication fault between the ranks ({detail}); check the other ranks' output and the network"
     return None

@@ -170,8 +170,11 @@ class TrainConfig:
     grad_clip: float = documented(1.0, "Max global gradient norm; 0 disables clipping (the norm is still "
                                        "logged).")
     device: str = documented("auto", "auto, cpu, cuda or cuda:N.")
-    collective_timeout_s: float = documented(600.0, "Seconds a collective may wait before the run stops with "
-                                                    "exit code 4.")
+    collective_timeout_s: float = documented(600.0, "Seconds a collective may wait, or a rank may go without "
+                                                    "progress, before the run stops naming the stalled rank "
+                                                    "(exit code 4).")
+    max_restarts: int = documented(3, "Automatic restarts of a launch that failed on a fault (launch.sh); each "
+                                      "restart resumes from the newest complete checkpoint of the run directory.")
     activation_checkpointing: str = documented("none", "none or full: recompute each checkpointed decoder "
                                                        "block's activations in backward.")
     activation_checkpointing_every: int = documented(1, "Checkpoint every k-th decoder block (1 = all of them).")
@@ -329,6 +332,7 @@ RANGES = {
     "train.log_every": _positive(),
     "train.grad_clip": _at_least(0, "0 disables clipping"),
     "train.collective_timeout_s": _positive("seconds"),
+    "train.max_restarts": _at_least(0, "0: no automatic restarts"),
     "train.activation_checkpointing_every": _positive(),
     "train.loss_spike_factor": ((lambda v: v == 0 or v > 1), "0 (off) or > 1"),
     "eval.every": _at_least(0, "0 disables periodic eval"),

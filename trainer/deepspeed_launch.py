@@ -9,7 +9,8 @@ SIGTERM / SIGINT are forwarded to the ranks, which stop after the same step and 
 then see every rank exit 0 and so does this one, without a traceback. The ranks know this process as their
 launcher (TESSERA_LAUNCHER_PID): if it dies, even by SIGKILL, they stop and save (trainer/preemption.py), and
 the runner ends with them. The ranks get TESSERA_STOP_GRACE_S seconds (default 600) to save, then are killed
-(exit 4).
+(exit 4). A launch that failed on a fault is started again, up to TESSERA_MAX_RESTARTS times (train.max_restarts,
+set by launch.sh); the ranks continue the run from its newest complete checkpoint (trainer/restarts.py).
 
 Before anything starts: a stale build lock of a DeepSpeed op this machine needs is an error (exit 2, naming the
 lock), and an op that still has to be built is built here, with progress (trainer/ds_ops.py).
@@ -58,25 +59,38 @@ def prepare_ops() -> int:
 
 
 def main(argv) -> int:
-    from tessera.errors import EXIT_FAULT, EXIT_INTERRUPTED
+    from trainer import restarts
 
     code = prepare_ops()
     if code:
         return code
-    env = dict(os.environ, TESSERA_LAUNCHER_PID=str(os.getpid()))
-    runner = subprocess.Popen([sys.executable, "-u", "-m", "deepspeed.launcher.runner", *argv], env=env,
-                              start_new_session=True)
+    runner = None
 
     def find_ranks():
+        if runner is None:
+            return []
         ranks = ranks_of(runner.pid)
         return ranks if ranks else [runner.pid]  # before the ranks exist: the runner (it has no handler: it ends)
 
     stop = Forwarder(find_ranks)
     stop.install()
+
+    def attempt() -> int:
+        nonlocal runner
+        env = dict(os.environ, TESSERA_LAUNCHER_PID=str(os.getpid()))
+        runner = subprocess.Popen([sys.executable, "-u", "-m", "deepspeed.launcher.runner", *argv], env=env,
+                                  start_new_session=True)
+        return _outcome(runner.wait(), stop)
+
     try:
-        code = runner.wait()
+        return restarts.supervise(attempt, lambda: stop.signum is not None, stop.label)
     finally:
         stop.cancel()
+
+
+def _outcome(code: int, stop: Forwarder) -> int:
+    from tessera.errors import EXIT_FAULT, EXIT_INTERRUPTED
+
     if stop.signum is None:
         return code
     if stop.escalated:

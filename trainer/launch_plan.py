@@ -14,20 +14,40 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAIN = os.path.join(REPO, "trainer", "main.py")
 
 
-def launcher_for(overrides) -> str:
+def _compose(overrides):
     from hydra import compose, initialize_config_dir
 
     from trainer.cli import register_resolvers
     from trainer.config import register_configs
-    from trainer.strategies import strategy_class
 
     register_resolvers()
     register_configs()
     conf_dir = os.path.join(REPO, "conf")
     with initialize_config_dir(config_dir=conf_dir, version_base=None):
-        cfg = compose(config_name="config", overrides=[o for o in overrides if not o.startswith("hydra.")])
-    cls = strategy_class(cfg.strategy.name)
+        return compose(config_name="config", overrides=[o for o in overrides if not o.startswith("hydra.")])
+
+
+def launcher_for(overrides) -> str:
+    from trainer.strategies import strategy_class
+
+    cls = strategy_class(_compose(overrides).strategy.name)
     return cls.launcher if cls is not None else "python"
+
+
+def plan_for(overrides) -> str:
+    """launch.sh's line: the launcher and train.max_restarts (`torchrun 3`); `python 0` when the overrides do not
+    compose (the entry point reports the problem itself)."""
+    from trainer.strategies import strategy_class
+
+    try:
+        cfg = _compose(overrides)
+        cls = strategy_class(cfg.strategy.name)
+        restarts = int(cfg.train.max_restarts)
+    except Exception:  # noqa: BLE001 - any composition problem is reported by the real run
+        return "python 0"
+    launcher = cls.launcher if cls is not None else "python"
+    # One process (strategy=single) runs as launch.sh itself: no launcher process is left to restart it.
+    return f"{launcher} {max(restarts, 0) if launcher != 'python' else 0}"
 
 
 def launcher_command(launcher: str, nproc: int = 1, script: str = MAIN) -> list:
@@ -69,7 +89,4 @@ def run_process_group(cmd, env=None, timeout: float = 300, cwd: str = REPO) -> s
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    try:
-        print(launcher_for(sys.argv[1:]))
-    except Exception:  # noqa: BLE001 - any composition problem is reported by the real run
-        print("python")
+    print(plan_for(sys.argv[1:]))

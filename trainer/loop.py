@@ -45,6 +45,7 @@ def fit(run) -> None:
         run.step += 1
         run.tokens_seen += n_target
         run.skipped_steps += int(skipped)
+        run.watchdog.finished_step(run.step)
         guard.observe(run.step, grad_norm, skipped)
         throughput.add(n_target, len(global_batch) * cfg.data.seq_len)
 
@@ -63,7 +64,8 @@ def fit(run) -> None:
                 record["mfu"] = seq_tok_s * flops_tok / (peak * 1e12 * run.strategy.dims.world_size)
             if do_eval:
                 t_eval = time.perf_counter()
-                results = evaluate(run)
+                with run.watchdog.exempt("evaluation"):
+                    results = evaluate(run)
                 record.update(results)
                 run.logger.eval_record(run.step, results)
                 throughput.exclude(time.perf_counter() - t_eval)
@@ -74,7 +76,8 @@ def fit(run) -> None:
             guard.check_logged(run.step, record["loss"], skipped)  # after the record is logged: it shows the value
         if probe is not None:  # all ranks: gather, log one line, write memory.json (left out of tokens/s)
             t_aside = time.perf_counter()
-            write_report(run, probe)
+            with run.watchdog.exempt("memory report"):
+                write_report(run, probe)
             probe = None
             throughput.exclude(time.perf_counter() - t_aside)
 
@@ -86,12 +89,14 @@ def fit(run) -> None:
         t_aside = time.perf_counter()
         if run.checkpointer.due(run.step):
             guard.check(run.step)  # only finite weights are ever saved
-        run.checkpointer.maybe_save(run.step)  # a save's wait is reported by the checkpointer, not in tokens/s
+        with run.watchdog.exempt("checkpoint save"):
+            run.checkpointer.maybe_save(run.step)  # a save's wait is reported by the checkpointer, not in tokens/s
         throughput.exclude(time.perf_counter() - t_aside)
     guard.check(run.step)
-    if cfg.checkpoint.at_end or run.stopped_by:
-        run.checkpointer.save(run.step)
-    run.checkpointer.wait()
+    with run.watchdog.exempt("checkpoint save"):
+        if cfg.checkpoint.at_end or run.stopped_by:
+            run.checkpointer.save(run.step)
+        run.checkpointer.wait()
     if run.stopped_by:
         run.logger.info(f"stopped by {run.stopped_by} at step {run.step}; continue with checkpoint.resume=auto "
                         f"and the same hydra.run.dir")
@@ -119,5 +124,6 @@ def evaluate(run) -> dict:
 def export_final(run) -> None:
     if run.cfg.export.hf_at_end and not run.stopped_by:
         out = os.path.join(run.run_dir, "hf")
-        run.strategy.export_hf(out, run.tokenizer)
+        with run.watchdog.exempt("export"):
+            run.strategy.export_hf(out, run.tokenizer)
         run.logger.info(f"exported the model to {out}")

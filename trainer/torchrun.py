@@ -6,6 +6,8 @@
   exits 0 without a traceback (torchrun alone would raise SignalException: exit 1 and a traceback, and SIGKILL
   its workers after TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s). torchrun keeps SIGHUP and SIGQUIT. The ranks get
   TESSERA_STOP_GRACE_S seconds (default 600) to save; after that they are killed and the launcher exits 4.
+- A launch that failed on a fault is started again, up to TESSERA_MAX_RESTARTS times (train.max_restarts, set by
+  launch.sh), and the ranks continue the run from its newest complete checkpoint (trainer/restarts.py).
 - The ranks know this process as their launcher (TESSERA_LAUNCHER_PID); if it dies, even by SIGKILL, they stop
   and save (trainer/preemption.py: guard_launcher).
 """
@@ -99,18 +101,62 @@ def _with_default_signals(argv):
 
 
 def main(argv) -> int:
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
+    from torch.distributed.run import parse_args
 
-    from tessera.errors import EXIT_FAULT, EXIT_INTERRUPTED
+    from trainer import restarts
 
     args = parse_args(_with_default_signals(argv))
     os.environ["TESSERA_LAUNCHER_PID"] = str(os.getpid())  # the ranks inherit it: they watch this process
-    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(int(stop_grace_s())))
+    # After a rank failed, the others get this long to end before they are killed (a SIGSTOPped rank never ends
+    # by itself). A user's SIGTERM/SIGINT does not go through it: the Forwarder gives the ranks their stop grace.
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")
     me = os.getpid()
     stop = Forwarder(lambda: children(me))  # torchrun's agent runs in this process: the ranks are its children
     stop.install()
+    try:
+        return restarts.supervise(lambda: _attempt(args, stop), lambda: stop.signum is not None, stop.label)
+    finally:
+        stop.cancel()
+
+
+def continue_stopped_ranks(me: int, done: threading.Event, poll: float = 0.5) -> None:
+    """Once a rank has ended while another is stopped (SIGSTOP, a debugger), send the stopped one SIGCONT: the
+    agent's SIGTERM then reaches it and it ends at once, instead of being SIGKILLed after the shutdown timeout."""
+    seen = set()
+    while not done.wait(poll):
+        states = {pid: _state(pid) for pid in children(me)}
+        seen |= set(states)
+        ended = any(pid not in states for pid in seen)
+        stopped = [pid for pid, state in states.items() if state in ("T", "t")]
+        if ended and stopped:
+            signal_pids(stopped, signal.SIGCONT)
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def _attempt(args, stop: Forwarder) -> int:
+    """One launch of the ranks by torchrun's agent -> the launch's exit code, failures said in one line."""
+    done = threading.Event()
+    threading.Thread(target=continue_stopped_ranks, args=(os.getpid(), done), daemon=True).start()
+    try:
+        return _attempt_once(args, stop)
+    finally:
+        done.set()
+
+
+def _attempt_once(args, stop: Forwarder) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import run
+
+    from tessera.errors import EXIT_FAULT, EXIT_INTERRUPTED
+
     try:
         run(args)
     except RuntimeError as e:  # the agent's own rendezvous store could not bind --master_port
@@ -137,7 +183,7 @@ def main(argv) -> int:
                 return 0
         if code is not None and code < 0:  # killed by a signal: it could not report anything itself
             print(f"{stop.label}: error: rank {rank} was killed by {signal.Signals(-code).name}; the other ranks "
-                  f"were stopped (resume with checkpoint.resume=auto)", file=sys.stderr)
+                  f"were stopped", file=sys.stderr)
             return EXIT_FAULT
         print(f"{stop.label}: rank {rank} exited with code {code}; the other ranks were stopped",
               file=sys.stderr)
@@ -145,9 +191,8 @@ def main(argv) -> int:
     except SignalException as e:  # a signal torchrun handles itself (SIGHUP, SIGQUIT, or a user's list)
         print(f"{stop.label}: stopped by {signal.Signals(e.sigval).name}; the ranks were asked to stop",
               file=sys.stderr)
+        stop.signum = stop.signum or e.sigval  # a stop: not restarted
         return 0 if e.sigval in STOP_SIGNALS else 128 + int(e.sigval)
-    finally:
-        stop.cancel()
     return 0
 
 

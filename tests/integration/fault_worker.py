@@ -1,11 +1,18 @@
-"""trainer/main.py with a pause inside one checkpoint save, so that a test can kill a rank in the middle of it.
+"""trainer/main.py with a fault a test cannot cause from outside: a pause inside one checkpoint save (so that
+a test can kill a rank in the middle of it), or a hang outside any collective.
 
     python tests/integration/fault_worker.py --pause-save=STEP:SECONDS [trainer overrides...]
     torchrun --nproc_per_node 2 tests/integration/fault_worker.py --pause-save=12:30 [trainer overrides...]
+    torchrun --nproc_per_node 2 tests/integration/fault_worker.py --hang-after=5 [trainer overrides...]
 
 Every rank sleeps SECONDS in the save of step STEP after the save's small files (meta.json, config.yaml, the
-rank's RNG file) are written and before the strategy writes its shards. The fault lives here, not in the
+rank's RNG file) are written and before the strategy writes its shards; only in the first attempt of a launch
+(a restarted launch saves without pausing). The fault lives here, not in the
 trainer: this script wraps the checkpoint manager's strategy and then runs the real entry point.
+
+With --hang-after=STEP every rank sleeps (for good) after step STEP, in the loop but in no collective, as a
+rank stuck on a file system or in a data loader would: only the progress watchdog can end that. First attempt
+only, too.
 """
 import os
 import runpy
@@ -16,7 +23,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 MAIN = os.path.join(REPO, "trainer", "main.py")
 sys.path.insert(0, REPO)
 
-from trainer import checkpoint  # noqa: E402
+from trainer import checkpoint, restarts  # noqa: E402
 
 
 def pause_in_save(step: int, seconds: float) -> None:
@@ -28,7 +35,8 @@ def pause_in_save(step: int, seconds: float) -> None:
         save_shards = manager.strategy.save_checkpoint_state
 
         def paused(folder, *rest, **options):
-            if os.path.basename(folder.rstrip("/")) == f"{checkpoint.TMP_PREFIX}{step}":
+            if os.path.basename(folder.rstrip("/")) == f"{checkpoint.TMP_PREFIX}{step}" and \
+                    restarts.restart_count() == 0:
                 time.sleep(seconds)
             return save_shards(folder, *rest, **options)
 
@@ -37,14 +45,29 @@ def pause_in_save(step: int, seconds: float) -> None:
     checkpoint.CheckpointManager.__init__ = init
 
 
+def hang_after(step: int) -> None:
+    """Make every rank sleep for good after finishing step `step` (outside any collective)."""
+    original_poll = checkpoint.CheckpointManager.poll
+
+    def poll(manager):
+        if manager.progress.step == step and restarts.restart_count() == 0:
+            time.sleep(10**6)
+        return original_poll(manager)
+
+    checkpoint.CheckpointManager.poll = poll
+
+
 def main() -> None:
-    flag = "--pause-save="
-    pauses = [a for a in sys.argv[1:] if a.startswith(flag)]
-    if len(pauses) != 1:
-        sys.exit(f"usage: {sys.argv[0]} {flag}STEP:SECONDS [trainer overrides...]")
-    step, seconds = pauses[0][len(flag):].split(":")
-    pause_in_save(int(step), float(seconds))
-    sys.argv = [MAIN] + [a for a in sys.argv[1:] if not a.startswith(flag)]
+    faults = [a for a in sys.argv[1:] if a.startswith(("--pause-save=", "--hang-after="))]
+    if len(faults) != 1:
+        sys.exit(f"usage: {sys.argv[0]} --pause-save=STEP:SECONDS|--hang-after=STEP [trainer overrides...]")
+    flag, value = faults[0].split("=", 1)
+    if flag == "--pause-save":
+        step, seconds = value.split(":")
+        pause_in_save(int(step), float(seconds))
+    else:
+        hang_after(int(value))
+    sys.argv = [MAIN] + [a for a in sys.argv[1:] if a != faults[0]]
     runpy.run_path(MAIN, run_name="__main__")
 
 

@@ -115,39 +115,169 @@ def _rank_pids(run_dir) -> dict:
     return found
 
 
-def test_sigkill_during_save_leaves_previous_checkpoint_and_resume_matches(straight, tmp_path):
-    """Kill rank 0 with SIGKILL while the step-12 checkpoint is being written (some of its files are on disk,
-    its shards are not, it is not sealed): step_6 stays the newest complete checkpoint, the partial folder is ignored on resume and
-    removed by the next save, and the resumed run matches the uninterrupted one."""
+def _checkpoint_tensors(path) -> dict:
+    """Every tensor of a checkpoint (weights, optimizer state) through DCP's public conversion."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    flat = Path(path).parent.parent / f"{Path(path).name}.pt"
+    dcp_to_torch_save(str(path), str(flat))
+    state = torch.load(flat, weights_only=False)
+    out = {}
+
+    def walk(prefix, node):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(f"{prefix}.{k}", v)
+        elif isinstance(node, (list, tuple)):
+            for i, v in enumerate(node):
+                walk(f"{prefix}.{i}", v)
+        elif isinstance(node, torch.Tensor):
+            out[prefix] = node
+
+    walk("", state)
+    return out
+
+
+def _kill_when(proc, run_dir, ready, rank: int, deadline_s: float = 240):
+    """SIGKILL rank `rank` of the run as soon as `ready()` holds (from outside the trainer, by PID)."""
+    deadline = time.time() + deadline_s
+    while True:
+        assert proc.poll() is None and time.time() < deadline, "the run ended before the moment to kill came"
+        pid = _rank_pids(run_dir).get(rank)
+        if pid is not None and ready():
+            os.kill(pid, signal.SIGKILL)
+            return
+        time.sleep(0.02)
+
+
+def _logged_steps(run_dir) -> int:
+    path = Path(run_dir) / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+RESTART_MOMENTS = {
+    # moment: (launcher, rank killed, when)
+    "in-step": ("launch.sh", 1, lambda run_dir: _logged_steps(run_dir) >= 8),
+    "in-save": ("fault-worker", 0, lambda run_dir: (run_dir / "checkpoints" / ".tmp-step_12" / "rng" /
+                                                    "rank_0.pt").exists()),
+    "start-up": ("deepspeed-wrapper", 1, lambda run_dir: True),
+}
+
+
+@pytest.mark.parametrize("moment", RESTART_MOMENTS)
+def test_a_killed_rank_restarts_and_the_run_ends_as_if_never_interrupted(ddp2, tmp_path, moment):
+    """SIGKILL one rank of a 2-rank DDP run inside a step, inside a save (rank 0, the save of step 12 paused
+    half-written) or during start-up, through each of launch.sh's launchers: the launch restarts by itself, the
+    ranks continue from the newest complete checkpoint, and the finished run is bit for bit the uninterrupted
+    one: every logged loss and gradient norm, one record per step, and every tensor of the final checkpoint."""
+    launcher, rank, ready = RESTART_MOMENTS[moment]
     run_dir = tmp_path / "run"
-    args = [str(VENV_BIN / "torchrun"), "--nproc_per_node=2", f"--master_port={free_port()}", str(FAULT_WORKER),
-            "--pause-save=12:30"] + BASE + ["strategy=ddp", "checkpoint.every=6", f"hydra.run.dir={run_dir}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    args = BASE + ["strategy=ddp", "checkpoint.every=6", f"hydra.run.dir={run_dir}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TESSERA_MAX_RESTARTS="2")
+    if launcher == "launch.sh":
+        venv = os.path.dirname(os.path.dirname(sys.executable))
+        env.update(NPROC_PER_NODE="2", TESSERA_VENV=venv)
+        env.pop("TESSERA_MAX_RESTARTS")  # launch.sh sets it from train.max_restarts
+        cmd = [str(REPO / "launch.sh"), "train.max_restarts=2"] + args
+    elif launcher == "fault-worker":
+        cmd = [sys.executable, "-m", "trainer.torchrun", "--nproc_per_node=2", f"--master_port={free_port()}",
+               str(FAULT_WORKER), "--pause-save=12:60"] + args
+    else:
+        cmd = [sys.executable, "-m", "trainer.deepspeed_launch", "--num_gpus", "2", "--master_port", str(free_port()),
+               str(REPO / "trainer" / "main.py")] + args
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
-        partial = run_dir / "checkpoints" / ".tmp-step_12"
-        deadline = time.time() + 240
-        while not (partial / "rng" / "rank_0.pt").exists():
-            assert proc.poll() is None and time.time() < deadline, "the run ended before the step-12 save"
-            time.sleep(0.05)
-        os.kill(_rank_pids(run_dir)[0], signal.SIGKILL)
-        proc.communicate(timeout=120)
+        _kill_when(proc, run_dir, lambda: ready(run_dir), rank)
+        out, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode != 0
-    assert partial.is_dir() and not (partial / "COMPLETE.json").exists()
-    assert "step_6" in _ckpts(run_dir) and "step_12" not in _ckpts(run_dir)
+    assert proc.returncode == 0, f"STDOUT:\n{out[-3000:]}\nSTDERR:\n{err[-3000:]}"
+    assert "restarting the ranks (1 of 2)" in err, err[-3000:]
+    assert "restarting the ranks (2 of 2)" not in err
+    resumed_from = {"in-step": "its checkpoint of step 6", "in-save": "its checkpoint of step 6",
+                    "start-up": "step 0 (no complete checkpoint yet)"}[moment]
+    assert f"restart 1: continuing the run in {run_dir} from {resumed_from}" in out, out[-3000:]
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, 17))  # one series, no step twice
+    _assert_same(run_dir, ddp2, 1, exact=True)
+    assert _ckpts(run_dir) == ["latest", "step_12", "step_16", "step_6"]  # the partial save was cleaned up
+    got, want = _checkpoint_tensors(run_dir / "checkpoints" / "step_16"), \
+        _checkpoint_tensors(ddp2 / "checkpoints" / "step_16")
+    assert got.keys() == want.keys() and len(got) > 10
+    assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]
 
-    resumed = launch("torchrun", BASE + ["strategy=ddp", "checkpoint.every=6", "checkpoint.resume=auto"], run_dir,
-                     nproc=2)
-    ok(resumed)
-    out = resumed.stdout + resumed.stderr
-    assert "ignoring incomplete checkpoint" in out and "resumed from" in out and "step_6 at step 6" in out
-    assert not partial.exists()  # cleaned by the next successful save
+
+def _start_with_timed_stderr(cmd, env):
+    """Popen whose stderr lines are collected with the time they arrived: (process, [(monotonic time, line)])."""
+    import threading
+
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend((time.monotonic(), line) for line in proc.stderr),
+                              daemon=True)
+    reader.start()
+    proc.reader = reader
+    return proc, lines
+
+
+def _finish(proc, timeout=300) -> str:
+    try:
+        out = proc.stdout.read()
+        proc.wait(timeout=timeout)
+        proc.reader.join(timeout=10)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return out
+
+
+@pytest.mark.parametrize("fault", ["sigstop", "hang"])
+def test_a_stalled_rank_is_detected_named_and_the_job_recovers(ddp2, tmp_path, fault):
+    """sigstop: rank 1 is stopped (SIGSTOP) after step 8; rank 0's collective times out after
+    train.collective_timeout_s=8, it names rank 1 (pid, step) and exits 4. hang: every rank sleeps after step 8 in
+    no collective (a stuck file system); each rank's progress watchdog ends it after 8 + 4 s. Either way the launcher
+    ends the rest (the stopped rank by SIGKILL), restarts, and the run ends as the uninterrupted one, with no
+    checkpoint half-written."""
+    run_dir = tmp_path / "run"
+    script = [str(REPO / "trainer" / "main.py")] if fault == "sigstop" else [str(FAULT_WORKER), "--hang-after=8"]
+    cmd = [sys.executable, "-m", "trainer.torchrun", "--nproc_per_node=2", f"--master_port={free_port()}"] + script + \
+        BASE + ["strategy=ddp", "checkpoint.every=6", "train.collective_timeout_s=8", f"hydra.run.dir={run_dir}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TESSERA_MAX_RESTARTS="1",
+               TORCH_ELASTIC_SHUTDOWN_TIMEOUT="5")
+    proc, lines = _start_with_timed_stderr(cmd, env)
+    stopped = None
+    try:
+        deadline = time.time() + 240
+        while _logged_steps(run_dir) < 8:
+            assert proc.poll() is None and time.time() < deadline, "the run ended before step 8"
+            time.sleep(0.02)
+        t_fault = time.monotonic()
+        if fault == "sigstop":
+            stopped = _rank_pids(run_dir)[1]
+            os.kill(stopped, signal.SIGSTOP)
+        out = _finish(proc)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    err = "".join(line for _, line in lines)
+    assert proc.returncode == 0, f"STDOUT:\n{out[-3000:]}\nSTDERR:\n{err[-4000:]}"
+    marker = "a collective timed out" if fault == "sigstop" else "no progress for"
+    seen = [(t, line) for t, line in lines if marker in line]
+    assert seen, err[-4000:]
+    t_seen, line = seen[0]
+    if fault == "sigstop":
+        assert line.startswith("[rank 0] error: ") and "train.collective_timeout_s=8" in line, line
+        assert f"stalled: rank 1 (pid {stopped} on " in line and "step" in line, line
+    else:
+        assert "after step 8" in line, line  # each rank's watchdog fires; whichever is last finds the other gone
+    print(f"{fault}: detected {t_seen - t_fault:.1f} s after the fault: {line.strip()}")
+    assert t_seen - t_fault < 12 + 15  # the timeout (x1.5 for the watchdog), heartbeats, a loaded machine's slack
+    assert "restarting the ranks (1 of 1)" in err
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, 17))
+    _assert_same(run_dir, ddp2, 1, exact=True)
     assert _ckpts(run_dir) == ["latest", "step_12", "step_16", "step_6"]
-    _assert_same(run_dir, straight, 7, exact=False)
 
 
 def test_sigterm_saves_and_exits_cleanly_then_resume_matches(straight, tmp_path):

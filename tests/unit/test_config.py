@@ -358,6 +358,7 @@ RANGE_CASES = [
     ("train.log_every=0", "train.log_every=0 must be > 0"),
     ("train.grad_clip=-1", "train.grad_clip=-1.0 must be >= 0 (0 disables clipping)"),
     ("train.collective_timeout_s=0", "train.collective_timeout_s=0.0 must be > 0"),
+    ("train.max_restarts=-1", "train.max_restarts=-1 must be >= 0"),
     ("train.activation_checkpointing_every=0", "train.activation_checkpointing_every=0 must be > 0"),
     ("train.loss_spike_factor=0.5", "train.loss_spike_factor=0.5 must be 0 (off) or > 1"),
     ("eval.every=-1", "eval.every=-1 must be >= 0"),
