@@ -85,10 +85,13 @@ case "$launcher" in
     if [[ "$NNODES" == *:* ]]; then
       # Elastic membership (NNODES=MIN:MAX): torchrun's agents re-form the job when a node leaves or joins, so
       # its own restarts do the work; every node runs this same line (MASTER_ADDR:MASTER_PORT is the rendezvous).
+      # A node that joins later continues the job's run: checkpoint.resume=auto unless the command line says.
       export TESSERA_MAX_RESTARTS=0
+      resume=(checkpoint.resume=auto)
+      for arg in "$@"; do [[ "$arg" == checkpoint.resume=* ]] && resume=(); done
       exec "$PY" -m trainer.torchrun --nnodes "$NNODES" --nproc_per_node "$NPROC_PER_NODE" \
         --max-restarts "$restarts" --rdzv-backend c10d --rdzv-endpoint "${MASTER_ADDR:-127.0.0.1}:${MASTER_PORT:-29500}" \
-        --rdzv-id "${RDZV_ID:-tessera}" trainer/main.py "$@"
+        --rdzv-id "${RDZV_ID:-tessera}" trainer/main.py "$@" "${resume[@]}"
     fi
     exec "$PY" -m trainer.torchrun --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$NPROC_PER_NODE" \
       --master_addr "${MASTER_ADDR:-127.0.0.1}" --master_port "${MASTER_PORT:-29500}" trainer/main.py "$@"

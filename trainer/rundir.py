@@ -121,9 +121,14 @@ def move_aside(run_dir: str) -> str:
 # The lock.
 
 def job_token() -> str:
-    """The same on every rank of one launch on one host, different between launches: the launcher process
-    (torchrun's agent, deepspeed's per-node launcher) and its start time; a lone process is its own job."""
+    """The same on every rank of one launch, different between launches. Under torchrun: the rendezvous (run id
+    and the process group's address, the same on every node, also for two agents of one elastic job on one
+    host); otherwise the launcher process on this host (deepspeed's per-node launcher) and its start time; a lone
+    process is its own job."""
     host = socket.gethostname()
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return (f"torchrun:{os.environ['TORCHELASTIC_RUN_ID']}:{os.environ.get('MASTER_ADDR', '')}:"
+                f"{os.environ.get('MASTER_PORT', '')}")
     if parallel.env_world_size() > 1 or "LOCAL_RANK" in os.environ:
         from trainer.cli import process_start_time
 

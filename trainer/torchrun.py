@@ -110,6 +110,11 @@ def main(argv) -> int:
     # After a rank failed, the others get this long to end before they are killed (a SIGSTOPped rank never ends
     # by itself). A user's SIGTERM/SIGINT does not go through it: the Forwarder gives the ranks their stop grace.
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")
+    if ":" in str(args.nnodes):
+        # Elastic membership: torch (2.13) caches the address of the rendezvous store it shares with the ranks on
+        # the agent that stays rank 0, so a node that joins in a later round waits forever for that address;
+        # without the sharing every round publishes its own.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     me = os.getpid()
     stop = Forwarder(lambda: children(me))  # torchrun's agent runs in this process: the ranks are its children
     stop.install()

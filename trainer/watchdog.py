@@ -61,7 +61,7 @@ class Watchdog:
                  interval_s: Optional[float] = None):
         self.folder = os.path.join(run_dir, FOLDER)
         self.rank, self.world_size, self.timeout_s = rank, world_size, float(timeout_s)
-        self.interval_s = interval_s or min(5.0, max(0.5, self.timeout_s / 20))
+        self.interval_s = interval_s or min(1.0, max(0.2, self.timeout_s / 20))
         self.step, self.phase = 0, "start-up"
         self.beats = 0
         self._armed = False  # from the first finished step on (start-up, the first compile are not timed)
