@@ -47,7 +47,13 @@ ensure_env
 if [ "${1:-}" = "test" ]; then
   shift
   cd "$ROOT"
-  exec "$PY" -m pytest "$@"
+  # Most tests wait on launches (process start-up, rendezvous, timeouts), so two pytest workers fill two cores;
+  # each test file stays on one worker (its module fixtures run once). -n 0 (or TESSERA_TEST_WORKERS=0) runs serially.
+  workers=(-n "${TESSERA_TEST_WORKERS:-2}" --dist loadfile)
+  for arg in "$@"; do
+    case "$arg" in -n|-n*|--numprocesses*) workers=() ;; esac
+  done
+  exec "$PY" -m pytest "${workers[@]}" "$@"
 fi
 
 cd "$ROOT"

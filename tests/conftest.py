@@ -250,14 +250,38 @@ def _point_datasets_cache_at(path: Path) -> None:
         module.HF_DATASETS_CACHE = path
 
 
+def pytest_configure(config):
+    """One catalogue file for the session, shared by pytest-xdist's workers (they inherit the environment)."""
+    if not hasattr(config, "workerinput") and "TESSERA_CATALOGUE_ROWS" not in os.environ:
+        import tempfile
+
+        fd, path = tempfile.mkstemp(prefix="tessera-catalogue-", suffix=".jsonl")
+        os.close(fd)
+        os.environ["TESSERA_CATALOGUE_ROWS"] = path
+        config._tessera_catalogue = path
+
+
+def pytest_unconfigure(config):
+    path = getattr(config, "_tessera_catalogue", None)
+    if path:
+        os.environ.pop("TESSERA_CATALOGUE_ROWS", None)
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+
+
 def pytest_terminal_summary(terminalreporter):
     """The catalogue of bad input and faults (tests/integration/catalogue.py), when any case ran."""
     from tests.integration import catalogue
 
-    if not catalogue.ROWS:
+    if hasattr(terminalreporter.config, "workerinput"):
         return
-    text = catalogue.table()
-    terminalreporter.write_sep("-", f"catalogue of bad input and faults ({len(catalogue.ROWS)} cases)")
+    rows = catalogue.all_rows()
+    if not rows:
+        return
+    text = catalogue.table(rows)
+    terminalreporter.write_sep("-", f"catalogue of bad input and faults ({len(rows)} cases)")
     terminalreporter.write_line(text)
     out = os.environ.get("TESSERA_CATALOGUE_OUT")
     if out:

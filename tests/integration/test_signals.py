@@ -207,9 +207,9 @@ def test_sigterm_to_the_deepspeed_runner(tmp_path):
     _check_checkpoint(run.run_dir, int(stops[0][1]))
     from tests.integration import catalogue
 
-    catalogue.ROWS.append(("SIGTERM to the bare deepspeed runner (ddp): runner killed, ranks saved",
-                           proc.returncode, round(t.seconds, 1), f"ranks gone {gone:.1f} s after the runner; "
-                           + stops[0][0] + " stop at step " + stops[0][1]))
+    catalogue.record("SIGTERM to the bare deepspeed runner (ddp): runner killed, ranks saved", proc.returncode,
+                     t.seconds, f"ranks gone {gone:.1f} s after the runner; " + stops[0][0] + " stop at step "
+                     + stops[0][1])
 
 
 def test_sigkill_of_torchrun_the_ranks_save_and_exit(tmp_path):
@@ -229,5 +229,5 @@ def test_sigkill_of_torchrun_the_ranks_save_and_exit(tmp_path):
     assert t.seconds < 30, t.seconds
     from tests.integration import catalogue
 
-    catalogue.ROWS.append(("SIGKILL of torchrun (ddp): ranks save and exit", proc.returncode, round(t.seconds, 1),
-                           f"ranks gone {gone:.1f} s after the kill; checkpoint at step {stops[0][1]}"))
+    catalogue.record("SIGKILL of torchrun (ddp): ranks save and exit", proc.returncode, t.seconds,
+                     f"ranks gone {gone:.1f} s after the kill; checkpoint at step {stops[0][1]}")
