@@ -4,7 +4,7 @@
     python benchmarks/bench_soak.py --quick         # 200 steps (what the tests run)
     python benchmarks/bench_soak.py --strategy fsdp --steps 2000 --out soak.json
 
-Every half second the script reads each rank's resident memory (VmRSS) and open file descriptors from /proc, and
+Five times a second the script reads each rank's resident memory (VmRSS) and open file descriptors from /proc, and
 the size of the run directory. Warm-up is the first 20% of the steps (allocator pools, the first saves, lazily
 imported modules); growth is the last quarter's median against the median at the end of warm-up, per rank (for
 open files too: a file that a save holds open at the moment of a sample is not a leak).
@@ -110,7 +110,7 @@ def soak(a) -> dict:
             ranks = {r: v for r, v in ranks.items() if None not in v}
             if ranks:
                 samples.append((_step(run_dir), ranks, *_disk(run_dir)))
-            time.sleep(0.5)
+            time.sleep(0.2)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -90,8 +90,8 @@ def test_soak_keeps_memory_files_and_disk_flat(tmp_path):
     out = tmp_path / "soak.json"
     proc = _run([BENCH / "bench_soak.py", "--quick", "--out", out], timeout=600)
     result = json.loads(out.read_text())
-    assert set(result["ranks"]) == {"0", "1"} and all(r["samples"] >= 10 for r in result["ranks"].values())
+    assert set(result["ranks"]) == {"0", "1"} and all(r["samples"] >= 10 for r in result["ranks"].values()), result
     for rank in result["ranks"].values():
         assert rank["rss_growth_pct"] < 5.0 and rank["fds_late"] <= rank["fds_warm"], result
-    assert 1 <= result["checkpoints_max"] <= 3 and result["flat"] is True
+    assert 1 <= result["checkpoints_max"] <= 3 and result["flat"] is True, result
     assert "| rank | RSS MiB after warm-up |" in proc.stdout
