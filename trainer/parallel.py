@@ -165,8 +165,20 @@ def init_process_group(device: torch.device, timeout_s: float) -> None:
     if device.type == "cuda":
         kwargs["device_id"] = device
     COLLECTIVE_TIMEOUT_S = timeout_s
+    timeout = datetime.timedelta(seconds=timeout_s)
     try:
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # torchrun's agent keeps one store across restarts (static rendezvous, `torchrun --max-restarts`): the
+            # keys of a failed attempt (its ranks' addresses) are still there, and a restarted rank would read
+            # them and dial dead peers. Each attempt gets keys of its own.
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            store = dist.PrefixStore(f"/tessera/attempt_{attempt}",
+                                     dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                                   is_master=False, timeout=timeout))
+            dist.init_process_group(backend=backend, store=store, rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout, **kwargs)
+        else:
+            dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
     except (RuntimeError, ValueError) as e:  # DistNetworkError / DistStoreError are RuntimeErrors
         problem = start_problem(e, timeout_s)
         if problem is None:
