@@ -180,7 +180,7 @@ class Run:
     checkpointer: Optional[ckpt.CheckpointManager] = None
     stop: Optional[StopRequest] = None
     stopped_by: str = ""
-    watchdog: object = None  # trainer/watchdog.py: progress and heartbeats
+    watchdog: object = field(default_factory=watchdog.Unwatched)  # trainer/watchdog.py: progress, heartbeats
 
     # The loop's counters live in `progress` (the checkpoint manager's collaborator); the run reads as before.
     step = property(lambda self: self.progress.step, lambda self, v: setattr(self.progress, "step", v))

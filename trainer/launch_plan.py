@@ -27,25 +27,25 @@ def _compose(overrides):
         return compose(config_name="config", overrides=[o for o in overrides if not o.startswith("hydra.")])
 
 
-def launcher_for(overrides) -> str:
+def _launcher(cfg) -> str:
     from trainer.strategies import strategy_class
 
-    cls = strategy_class(_compose(overrides).strategy.name)
+    cls = strategy_class(cfg.strategy.name)
     return cls.launcher if cls is not None else "python"
+
+
+def launcher_for(overrides) -> str:
+    return _launcher(_compose(overrides))
 
 
 def plan_for(overrides) -> str:
     """launch.sh's line: the launcher and train.max_restarts (`torchrun 3`); `python 0` when the overrides do not
     compose (the entry point reports the problem itself)."""
-    from trainer.strategies import strategy_class
-
     try:
         cfg = _compose(overrides)
-        cls = strategy_class(cfg.strategy.name)
-        restarts = int(cfg.train.max_restarts)
+        launcher, restarts = _launcher(cfg), int(cfg.train.max_restarts)
     except Exception:  # noqa: BLE001 - any composition problem is reported by the real run
         return "python 0"
-    launcher = cls.launcher if cls is not None else "python"
     # One process (strategy=single) runs as launch.sh itself: no launcher process is left to restart it.
     return f"{launcher} {max(restarts, 0) if launcher != 'python' else 0}"
 
