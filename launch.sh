@@ -103,6 +103,11 @@ case "$launcher" in
     exec "$PY" -m trainer.torchrun --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$NPROC_PER_NODE" \
       --master_addr "${MASTER_ADDR:-127.0.0.1}" --master_port "${MASTER_PORT:-29500}" trainer/main.py "$@"
     ;;
+  torchft)
+    # Fault-tolerant replica groups on this machine: a torchft lighthouse and one torchrun job per group, each
+    # with its own restarts (a failed group recovers from a live one while the others train on).
+    exec "$PY" -m trainer.torchft_launch --nproc_per_node "$NPROC_PER_NODE" trainer/main.py "$@"
+    ;;
   deepspeed)
     args=(--num_gpus "$NPROC_PER_NODE" --master_addr "${MASTER_ADDR:-127.0.0.1}" --master_port "${MASTER_PORT:-29500}")
     if [ -n "${HOSTFILE:-}" ]; then

@@ -88,8 +88,12 @@ def prepare(cfg: C.TesseraConfig, run_dir: str) -> Prepared:
 
     transformers.utils.logging.disable_progress_bar()  # our own progress output only
     world_size = parallel.env_world_size()
+    cls = strategy_class(cfg.strategy.name)
+    if cls is not None:
+        run_dir = cls.run_dir_for(cfg, run_dir)  # torchft replica groups: a folder per group
     restarts.continue_run(cfg, run_dir, log0)  # a restarted launch continues its run (trainer/restarts.py)
     dims, cls, tokenizer, info = check(cfg, world_size)
+    cls.preflight(cfg)  # what the strategy reaches outside this job (a torchft lighthouse), before any group starts
     from trainer.cli import writable_problems  # read-only run / cache folders: one message naming the key
 
     unwritable = writable_problems(cfg, run_dir)
@@ -238,6 +242,9 @@ def build(p: Prepared) -> Run:
               accum, num_params, model_shapes=p.model_shapes, model_desc=desc, built_param_bytes=built_param_bytes,
               watchdog=watch)
     identity = ckpt.RunIdentity(cfg, p.data.fingerprint, p.model_shapes, desc, p.tokenizer)
+    # A replica that recovers from a peer (torchft) copies the schedule and the counters with the weights.
+    strategy.share_state("progress", run.progress.state_dict, run.progress.load_state_dict)
+    strategy.share_state("scheduler", scheduler.state_dict, scheduler.load_state_dict)
     run.checkpointer = ckpt.CheckpointManager(p.run_dir, strategy, scheduler, sampler, run.progress, identity, logger)
     if p.resume_path:
         from trainer import resume_policy

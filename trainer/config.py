@@ -126,6 +126,17 @@ class StrategyConfig:
     bucket_cap_mb: float = documented(25.0, "DDP: gradient bucket size in MiB.")
     find_unused_parameters: bool = documented(False, "DDP: allow parameters that get no gradient in a step.")
     gradient_as_bucket_view: bool = documented(True, "DDP: gradients are views into the buckets (saves a copy).")
+    fault_tolerance: str = documented("none", "none, or torchft: ddp as replica groups coordinated by a torchft "
+                                              "lighthouse; the others train on when a group fails (README \"When "
+                                              "ranks fail\").")
+    replica_groups: int = documented(1, "torchft: number of replica groups; each is its own torchrun job and "
+                                        "takes its share of the global batch.")
+    replica_group: int = documented(-1, "torchft: this job's group, 0..replica_groups-1; -1 = launch.sh starts "
+                                        "every group on this machine.")
+    lighthouse: str = documented("", "torchft: the lighthouse's address (http://host:port); empty = "
+                                     "$TORCHFT_LIGHTHOUSE, or the one launch.sh starts.")
+    min_replica_groups: int = documented(1, "torchft: a step needs at least this many groups (the lighthouse's "
+                                            "min_replicas).")
 
 
 @dataclass
@@ -274,6 +285,7 @@ CHOICES = {
     "train.activation_checkpointing": ("none", "full"),
     "export.dtype": ("fp32", "bf16", "fp16"),
     "train.on_nonfinite": ("stop", "skip"),
+    "strategy.fault_tolerance": ("none", "torchft"),
 }
 
 
@@ -315,6 +327,9 @@ RANGES = {
     "strategy.stage3_prefetch_bucket_size": _at_least(0, "elements"),
     "strategy.stage3_param_persistence_threshold": _at_least(0, "elements"),
     "strategy.bucket_cap_mb": _positive("MiB"),
+    "strategy.replica_groups": _positive(),
+    "strategy.replica_group": _at_least(-1, "-1: every group, started by launch.sh"),
+    "strategy.min_replica_groups": _positive(),
     "optim.lr": _positive(),
     "optim.weight_decay": _at_least(0),
     "optim.eps": _positive(),

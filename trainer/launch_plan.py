@@ -1,5 +1,5 @@
 """Launchers. For launch.sh: compose the config from the command-line overrides and print which launcher the
-chosen strategy needs (python, torchrun or deepspeed); prints `python` when the overrides don't compose, so the
+chosen strategy needs (python, torchrun, deepspeed, or torchft: replica groups with their lighthouse); prints `python` when the overrides don't compose, so the
 entry point itself reports the problem once. For tests and benchmarks: the command line of each launcher
 (`launcher_command`) and a run whose whole process group dies on a timeout (`run_process_group`)."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAIN = os.path.join(REPO, "trainer", "main.py")
 
 
-def _compose(overrides):
+def compose(overrides):
     from hydra import compose, initialize_config_dir
 
     from trainer.cli import register_resolvers
@@ -31,18 +31,22 @@ def _launcher(cfg) -> str:
     from trainer.strategies import strategy_class
 
     cls = strategy_class(cfg.strategy.name)
-    return cls.launcher if cls is not None else "python"
+    if cls is None:
+        return "python"
+    if cfg.strategy.fault_tolerance == "torchft" and cfg.strategy.replica_group == -1:
+        return "torchft"  # a lighthouse and every replica group on this machine (trainer/torchft_launch.py)
+    return cls.launcher
 
 
 def launcher_for(overrides) -> str:
-    return _launcher(_compose(overrides))
+    return _launcher(compose(overrides))
 
 
 def plan_for(overrides) -> str:
     """launch.sh's line: the launcher and train.max_restarts (`torchrun 3`); `python 0` when the overrides do not
     compose (the entry point reports the problem itself)."""
     try:
-        cfg = _compose(overrides)
+        cfg = compose(overrides)
         launcher, restarts = _launcher(cfg), int(cfg.train.max_restarts)
     except Exception:  # noqa: BLE001 - any composition problem is reported by the real run
         return "python 0"

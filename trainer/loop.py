@@ -33,7 +33,10 @@ def fit(run) -> None:
     probe = FirstStepProbe(strategy) if cfg.logging.memory_report else None
     guard = DivergenceGuard(run)
     while run.step < t.max_steps:
+        strategy.begin_step(run.step)  # a replica group that recovers from a peer may move run.step here
         k = run.step
+        if k >= t.max_steps:
+            break
         global_batch = run.sampler.global_batch(k)
         n_target = run.data.train.count_targets(global_batch)
         positions = run.sampler.micro_batches(k, strategy.dp_rank, strategy.dp_size, t.micro_batch_size)
@@ -41,8 +44,12 @@ def fit(run) -> None:
         lr = strategy.optimizer.param_groups[0]["lr"]
         loss_sum = strategy.forward_backward(micro_batches, n_target)
         grad_norm, skipped = strategy.optimizer_step(t.grad_clip)
+        if not strategy.committed():  # the replica groups could not agree on this step: run it again
+            run.logger.info(f"step {k + 1} was not committed (a replica group failed during it); running it again")
+            continue
         run.scheduler.step()
         run.step += 1
+        n_target = strategy.trained_tokens(n_target)
         run.tokens_seen += n_target
         run.skipped_steps += int(skipped)
         run.watchdog.finished_step(run.step)
@@ -52,12 +59,13 @@ def fit(run) -> None:
         periodic_eval = cfg.eval.every > 0 and run.step % cfg.eval.every == 0
         do_eval = periodic_eval or (run.step == t.max_steps and cfg.eval.at_end)
         if run.step % t.log_every == 0 or run.step == t.max_steps or do_eval:
-            loss = strategy.dp_sum(loss_sum).item() / n_target
+            loss = strategy.step_loss(loss_sum, n_target)
             tok_s, seq_tok_s = throughput.take()
             record = {"step": run.step, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
                       "tokens": run.tokens_seen, "tokens_per_s": tok_s, "seq_tokens_per_s": seq_tok_s,
                       "epoch": run.sampler.epoch_of(k), "skipped_steps": run.skipped_steps,
                       "peak_mem_gib": peak_memory_gib(run.device), "time": round(time.time(), 3)}
+            record.update(strategy.step_metrics())
             if strategy.precision.loss_scale is not None:
                 record["loss_scale"] = strategy.precision.loss_scale
             if peak:
@@ -109,7 +117,8 @@ def evaluate(run) -> dict:
     if n == 0:
         return {}
     # Every data-parallel rank takes a strided share; ranks may get one sequence more than others.
-    mine = np.arange(n)[strategy.dp_rank::strategy.dp_size]
+    rank, size = strategy.eval_coordinates
+    mine = np.arange(n)[rank::size]
     mbs = cfg.train.micro_batch_size
     batches = [val.get(mine[i:i + mbs]) for i in range(0, len(mine), mbs)]
     strategy.model.eval()

@@ -26,6 +26,10 @@ class ParallelDims:
     tp: int
     pp: int
     world_size: int
+    # torchft replica groups (strategy.fault_tolerance=torchft): this process group is group `replica_group` of
+    # `replica_groups` equal ones, each taking its share of the global batch.
+    replica_groups: int = 1
+    replica_group: int = 0
 
     @classmethod
     def from_config(cls, strategy_cfg, world_size: int) -> "ParallelDims":
@@ -40,7 +44,10 @@ class ParallelDims:
                 if v != -1:
                     known *= v
             degrees[fill[0]] = world_size // known
-        return cls(world_size=world_size, **degrees)
+        groups = {}
+        if getattr(strategy_cfg, "fault_tolerance", "none") == "torchft":
+            groups = dict(replica_groups=strategy_cfg.replica_groups, replica_group=max(strategy_cfg.replica_group, 0))
+        return cls(world_size=world_size, **degrees, **groups)
 
     @staticmethod
     def problems(strategy_cfg, world_size: int) -> List[str]:
@@ -69,12 +76,18 @@ class ParallelDims:
         return problems
 
     @property
-    def dp_size(self) -> int:
+    def group_dp_size(self) -> int:
+        """Data-parallel ranks in this process group."""
         return self.dp_replicate * self.dp_shard
 
     @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks of the whole job (every replica group's): the global batch is split this many ways."""
+        return self.group_dp_size * self.replica_groups
+
+    @property
     def dp_enabled(self) -> bool:
-        return self.dp_size > 1
+        return self.group_dp_size > 1
 
     @property
     def dp_replicate_enabled(self) -> bool:
@@ -105,10 +118,11 @@ class ParallelDims:
         return init_device_mesh(device_type, sizes, mesh_dim_names=names)
 
     def dp_coordinates(self, rank: int):
-        """(dp_rank, dp_size) of a global rank under the mesh layout above."""
+        """(dp_rank, dp_size) of a rank of this process group under the mesh layout above (replica groups follow
+        one another: group g holds data-parallel ranks g x group_dp_size onwards)."""
         tp_idx_stride = self.tp
-        dp_rank = (rank // tp_idx_stride) % self.dp_size
-        return dp_rank, self.dp_size
+        dp_rank = (rank // tp_idx_stride) % self.group_dp_size
+        return self.replica_group * self.group_dp_size + dp_rank, self.dp_size
 
 
 # ----------------------------------------------------------------------------------------------------------

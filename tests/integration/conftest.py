@@ -176,3 +176,28 @@ def check_export(run_dir, tmp_path, overrides, name: str, final_step: int = 10):
     print(f"{name} export: val loss {got:.6f} vs trainer's {trained['val_loss']:.6f} (relative error {err:.2e})")
     assert err < 1e-5, (got, trained["val_loss"])
     return at_end
+
+
+def checkpoint_tensors(path) -> dict:
+    """Every tensor of a checkpoint (weights, optimizer state) through DCP's public conversion."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    flat = Path(path).parent.parent / f"{Path(path).name}.pt"
+    dcp_to_torch_save(str(path), str(flat))
+    import torch
+
+    state = torch.load(flat, weights_only=False)
+    out = {}
+
+    def walk(prefix, node):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(f"{prefix}.{k}", v)
+        elif isinstance(node, (list, tuple)):
+            for i, v in enumerate(node):
+                walk(f"{prefix}.{i}", v)
+        elif isinstance(node, torch.Tensor):
+            out[prefix] = node
+
+    walk("", state)
+    return out

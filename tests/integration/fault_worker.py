@@ -4,11 +4,15 @@ a test can kill a rank in the middle of it), or a hang outside any collective.
     python tests/integration/fault_worker.py --pause-save=STEP:SECONDS [trainer overrides...]
     torchrun --nproc_per_node 2 tests/integration/fault_worker.py --pause-save=12:30 [trainer overrides...]
     torchrun --nproc_per_node 2 tests/integration/fault_worker.py --hang-after=5 [trainer overrides...]
+    torchrun --nproc_per_node 1 tests/integration/fault_worker.py --step-delay=0.2 [trainer overrides...]
 
 Every rank sleeps SECONDS in the save of step STEP after the save's small files (meta.json, config.yaml, the
 rank's RNG file) are written and before the strategy writes its shards; only in the first attempt of a launch
 (a restarted launch saves without pausing). The fault lives here, not in the
 trainer: this script wraps the checkpoint manager's strategy and then runs the real entry point.
+
+With --step-delay=SECONDS every rank sleeps that long after each step, in every attempt: a slow run that a
+test can act on while it trains (fault-tolerant replica groups losing and regaining a group).
 
 With --hang-after=STEP every rank sleeps (for good) after step STEP, in the loop but in no collective, as a
 rank stuck on a file system or in a data loader would: only the progress watchdog can end that. First attempt
@@ -57,14 +61,28 @@ def hang_after(step: int) -> None:
     checkpoint.CheckpointManager.poll = poll
 
 
+def step_delay(seconds: float) -> None:
+    """Make every rank sleep `seconds` after each step."""
+    original_poll = checkpoint.CheckpointManager.poll
+
+    def poll(manager):
+        time.sleep(seconds)
+        return original_poll(manager)
+
+    checkpoint.CheckpointManager.poll = poll
+
+
 def main() -> None:
-    faults = [a for a in sys.argv[1:] if a.startswith(("--pause-save=", "--hang-after="))]
+    faults = [a for a in sys.argv[1:] if a.startswith(("--pause-save=", "--hang-after=", "--step-delay="))]
     if len(faults) != 1:
-        sys.exit(f"usage: {sys.argv[0]} --pause-save=STEP:SECONDS|--hang-after=STEP [trainer overrides...]")
+        sys.exit(f"usage: {sys.argv[0]} --pause-save=STEP:SECONDS|--hang-after=STEP|--step-delay=SECONDS "
+                 f"[trainer overrides...]")
     flag, value = faults[0].split("=", 1)
     if flag == "--pause-save":
         step, seconds = value.split(":")
         pause_in_save(int(step), float(seconds))
+    elif flag == "--step-delay":
+        step_delay(float(value))
     else:
         hang_after(int(value))
     sys.argv = [MAIN] + [a for a in sys.argv[1:] if a != faults[0]]

@@ -65,6 +65,14 @@ CASES = [
     ("weight-decay-negative", ["optim.weight_decay=-5"], "python", 1, 2, "optim.weight_decay=-5.0 must be >= 0"),
     ("zero-fp16-on-cpu", ["strategy=zero2", "precision=fp16", "train.device=cpu"], "python", 1, 2,
      "precision=fp16 with strategy=zero2 needs a CUDA device"),
+    # torchft replica groups: a lighthouse nobody listens on is an error at start-up, not a hang in the first quorum;
+    # a group that does not say which it is would train on another group's share of the data.
+    ("torchft-lighthouse-unreachable", ["strategy=ddp", "strategy.fault_tolerance=torchft",
+                                        "strategy.lighthouse=http://127.0.0.1:1"], "torchrun-quiet", 2, 2,
+     "the torchft lighthouse at http://127.0.0.1:1 (strategy.lighthouse) cannot be reached"),
+    ("torchft-group-not-named", ["strategy=ddp", "strategy.fault_tolerance=torchft", "strategy.replica_groups=2",
+                                 "strategy.lighthouse=http://127.0.0.1:1"], "python", 1, 2,
+     "strategy.replica_group=-1 must name this job's group, 0..1"),
     # Attention kernels this machine can't train with.
     ("flash-attention-on-cpu", ["model.attn_implementation=flash_attention_2", "train.device=cpu"], "python", 1, 2,
      "model.attn_implementation=flash_attention_2 needs a CUDA device"),

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from tests.integration.catalogue import check_case
-from tests.integration.conftest import REPO, SMALL, VENV_BIN, free_port, launch, metrics, ok, rel_err
+from tests.integration.conftest import (REPO, SMALL, VENV_BIN, checkpoint_tensors, free_port, launch, metrics, ok,
+                                       rel_err)
 
 FAULT_WORKER = REPO / "tests" / "integration" / "fault_worker.py"  # trainer/main.py, paused inside one save
 
@@ -115,29 +116,6 @@ def _rank_pids(run_dir) -> dict:
     return found
 
 
-def _checkpoint_tensors(path) -> dict:
-    """Every tensor of a checkpoint (weights, optimizer state) through DCP's public conversion."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    flat = Path(path).parent.parent / f"{Path(path).name}.pt"
-    dcp_to_torch_save(str(path), str(flat))
-    state = torch.load(flat, weights_only=False)
-    out = {}
-
-    def walk(prefix, node):
-        if isinstance(node, dict):
-            for k, v in node.items():
-                walk(f"{prefix}.{k}", v)
-        elif isinstance(node, (list, tuple)):
-            for i, v in enumerate(node):
-                walk(f"{prefix}.{i}", v)
-        elif isinstance(node, torch.Tensor):
-            out[prefix] = node
-
-    walk("", state)
-    return out
-
-
 def _kill_when(proc, run_dir, ready, rank: int, deadline_s: float = 240):
     """SIGKILL rank `rank` of the run as soon as `ready()` holds (from outside the trainer, by PID)."""
     deadline = time.time() + deadline_s
@@ -208,8 +186,8 @@ def test_a_killed_rank_restarts_and_the_run_ends_as_if_never_interrupted(ddp2, t
     assert [r["step"] for r in metrics(run_dir)] == list(range(1, 17))  # one series, no step twice
     _assert_same(run_dir, ddp2, 1, exact=True)
     assert _ckpts(run_dir) == ["latest", "step_12", "step_16", "step_6"]  # the partial save was cleaned up
-    got, want = _checkpoint_tensors(run_dir / "checkpoints" / "step_16"), \
-        _checkpoint_tensors(ddp2 / "checkpoints" / "step_16")
+    got, want = checkpoint_tensors(run_dir / "checkpoints" / "step_16"), \
+        checkpoint_tensors(ddp2 / "checkpoints" / "step_16")
     assert got.keys() == want.keys() and len(got) > 10
     assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]
 

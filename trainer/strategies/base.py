@@ -49,12 +49,16 @@ class Strategy:
     uses_dtensor_parameters: ClassVar[bool] = False  # parameters are DTensors (optimizer kernels differ)
     # What save_checkpoint_state writes: checkpoints of one format are only read by strategies of the same.
     checkpoint_format: ClassVar[str] = "dcp"
+    # strategy.fault_tolerance values this strategy runs with besides none.
+    fault_tolerance: ClassVar[FrozenSet[str]] = frozenset()
 
     def __init__(self, cfg, dims, device: torch.device, precision):
         self.cfg, self.dims, self.device, self.precision = cfg, dims, device, precision
         self.model = None
         self.optimizer = None
         self.skip_nonfinite = cfg.train.on_nonfinite == "skip"
+        self.replicas = None  # torchft replica groups (strategies/replica_groups.py), attached by setup
+        self._step_tokens = None  # (this rank's token-loss sum, its target tokens, the global batch's) with replicas
 
     # ---- checks before any process group starts -------------------------------------------------------
     @classmethod
@@ -77,6 +81,16 @@ class Strategy:
                                     f"strategy={cfg.strategy.name} does not use it: leave it unset"
                                     + (" (DeepSpeed: strategy.offload_optimizer / offload_param)"
                                        if key == "cpu_offload" else ""))
+        ft = cfg.strategy.fault_tolerance
+        if ft != "none" and ft not in cls.fault_tolerance_of(cfg):
+            problems.append(f"strategy.fault_tolerance={ft} is not available with strategy={cfg.strategy.name}"
+                            f"{' and tensor or pipeline parallelism' if ft in cls.fault_tolerance else ''}; use "
+                            f"strategy=ddp or strategy=hsdp (replica groups), or strategy.fault_tolerance=none with "
+                            f"train.max_restarts (restarts from the last checkpoint)")
+        elif ft == "torchft":
+            from trainer.strategies import replica_groups
+
+            problems += replica_groups.config_problems(cfg)
         from trainer.optim import implementation_problems
 
         problems += implementation_problems(cfg, cls.uses_dtensor_parameters)
@@ -91,6 +105,27 @@ class Strategy:
             else:
                 problems += compile_problems(cfg.train.device)
         return problems
+
+    @classmethod
+    def fault_tolerance_of(cls, cfg) -> FrozenSet[str]:
+        """The strategy.fault_tolerance values (besides none) this configuration of the strategy runs with."""
+        return cls.fault_tolerance
+
+    @classmethod
+    def preflight(cls, cfg) -> None:
+        """Checks of what the run needs outside this job (raise a TesseraError), before any process group: a
+        torchft lighthouse that cannot be reached is an error now, not a hang in the first quorum."""
+        if cfg.strategy.fault_tolerance == "torchft":
+            from trainer.strategies import replica_groups
+
+            replica_groups.check_lighthouse(cfg.strategy)
+
+    @classmethod
+    def run_dir_for(cls, cfg, run_dir: str) -> str:
+        """The run directory of this job under the launch's output folder (a folder per torchft replica group)."""
+        from trainer.strategies import replica_groups
+
+        return replica_groups.group_run_dir(cfg, run_dir)
 
     @classmethod
     def degrees_of(cls, name: str) -> FrozenSet[str]:
@@ -110,6 +145,12 @@ class Strategy:
     @property
     def dp_size(self) -> int:
         return self.dims.dp_size
+
+    @property
+    def eval_coordinates(self):
+        """(rank, size) among the ranks that split the validation set: this process group's data-parallel ranks
+        (with replica groups each group evaluates the whole set itself)."""
+        return self.dp_rank - self.dims.replica_group * self.dims.group_dp_size, self.dims.group_dp_size
 
     # ---- setup ----------------------------------------------------------------------------------------
     def model_construction(self, pretrained: bool):
@@ -139,6 +180,60 @@ class Strategy:
         """The plain Hugging Face model (its parameters may be sharded in other strategies)."""
         return self.model
 
+    # ---- fault-tolerant replica groups (strategy.fault_tolerance=torchft: strategies/replica_groups.py) ---------
+    def attach_replica_groups(self) -> None:
+        """End of setup, for strategies whose class lists torchft in `fault_tolerance`: join the replica groups
+        and share the model, optimizer and loss-scaler state with a recovering group."""
+        from trainer.strategies import replica_groups
+
+        if self.cfg.strategy.fault_tolerance != "torchft":
+            return
+        self.replicas = replica_groups.ReplicaGroups(self.cfg, self.device)
+        model = self.unwrapped()
+        self.share_state("model", lambda: replica_groups.local_tensors(model.state_dict()),
+                         lambda state: replica_groups.copy_into_module(model, state))
+        self.share_state("optimizer", lambda: replica_groups.local_optimizer_state(self.optimizer),
+                         lambda state: replica_groups.load_optimizer_state(self.optimizer, state))
+        self.share_state("precision", self.precision.state_dict, self.precision.load_state_dict)
+
+    def share_state(self, key: str, state_dict, load_state_dict) -> None:
+        """Run state beyond the model and optimizer (scheduler, counters) that a recovering replica group copies
+        from a live one with them; without replica groups nothing to do."""
+        if self.replicas is not None:
+            self.replicas.share_state(key, state_dict, load_state_dict)
+
+    def begin_step(self, step: int) -> None:
+        """Before step `step`'s batch is read (replica groups: the quorum, and a recovering group's state copied
+        from a live one, which may move the run's step)."""
+        if self.replicas is not None:
+            self.replicas.begin_step(step)
+
+    def committed(self) -> bool:
+        """Whether the last optimizer_step was taken; False: the loop runs the same step again."""
+        return self.replicas is None or self.replicas.committed
+
+    def trained_tokens(self, num_target_tokens: int) -> int:
+        """Target tokens the last step trained on (fewer than the global batch's while a replica group is down)."""
+        return num_target_tokens if self.replicas is None else int(self.replicas.tokens)
+
+    def step_loss(self, loss_sum: torch.Tensor, num_target_tokens: int) -> float:
+        """The last step's loss: token cross-entropy over the tokens it trained on (a collective, on log steps)."""
+        if self.replicas is not None:
+            return self.replicas.loss_sum / max(self.replicas.tokens, 1.0)
+        return self.dp_sum(loss_sum).item() / num_target_tokens
+
+    def step_metrics(self) -> dict:
+        """Extra fields for the step's metrics record."""
+        return {} if self.replicas is None else {"replica_groups": self.replicas.participants}
+
+    def _reduce_across_replica_groups(self) -> bool:
+        """Replica groups: sum the live groups' gradients (normalised by the tokens they trained) -> whether the
+        step may be taken."""
+        loss_sum, tokens, n_target = self._step_tokens
+        grads = [p.grad for p in self.unwrapped().parameters() if p.grad is not None]
+        self.replicas.reduce(grads, loss_sum, tokens, n_target)
+        return self.replicas.commit()
+
     # ---- one optimizer step ---------------------------------------------------------------------------
     def accumulation_context(self, is_last_micro_batch: bool):
         """Context for one micro-batch's forward+backward; data-parallel strategies skip gradient
@@ -156,6 +251,9 @@ class Strategy:
                 ce_sum = token_loss_sum(self.model, batch, self.precision)
                 self.backward(ce_sum / num_target_tokens)
             total += ce_sum.detach()
+        if self.replicas is not None:
+            tokens = sum(int((b["labels"] != IGNORE).sum()) for b in micro_batches)
+            self._step_tokens = (total, tokens, num_target_tokens)
         return total
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -168,6 +266,9 @@ class Strategy:
 
     def optimizer_step(self, max_norm: float):
         """Unscale, measure and clip the gradient, step (unless fp16 overflowed), zero. -> (norm, skipped)."""
+        if self.replicas is not None and not self._reduce_across_replica_groups():
+            self.optimizer.zero_grad(set_to_none=True)
+            return torch.zeros((), dtype=torch.float64), False
         self.precision.unscale_(self.optimizer)
         norm = self.grad_norm_and_clip(max_norm)
         if self.skip_nonfinite and self.precision.scaler is None and not bool(torch.isfinite(norm)):
@@ -303,6 +404,9 @@ class Strategy:
     def close(self) -> None:
         """Release the parallel model before the process group goes (wrappers that hold communication
         state, like DDP's reducer, can block in their destructor once the group is destroyed)."""
+        if self.replicas is not None:
+            self.replicas.close()
+            self.replicas = None
         self.model = None
         self.optimizer = None
 

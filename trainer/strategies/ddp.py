@@ -3,6 +3,10 @@
 Gradients are *summed* across ranks (a comm hook replaces DDP's average): each rank's loss is already its
 share of the global token-normalized loss, so the sum is exactly the global batch's gradient, whatever the
 number of ranks.
+
+With `strategy.fault_tolerance=torchft` this process group is one of several replica groups (replica_groups.py):
+after DDP's reduction inside the group each rank's gradient is summed with the other live groups', and a group
+that (re)starts copies the state of a live one.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ def _allreduce_sum_hook(group, bucket):
 class DDPStrategy(Strategy):
     name = "ddp"
     degrees = frozenset({"dp_replicate"})
+    fault_tolerance = frozenset({"torchft"})
 
     def setup(self, model, build_optimizer, initial_weights=None):
         self.prepare_blocks(model)
@@ -32,6 +37,7 @@ class DDPStrategy(Strategy):
         self.ddp.register_comm_hook(self.dp_group(), _allreduce_sum_hook)
         self.model = self.ddp
         self.optimizer = build_optimizer(model.named_parameters())
+        self.attach_replica_groups()
         return self.model, self.optimizer
 
     def accumulation_context(self, is_last_micro_batch: bool):

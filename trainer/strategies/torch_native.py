@@ -45,6 +45,7 @@ class TorchNativeStrategy(Strategy):
     uses_dtensor_parameters = True
     # Pretrained weights come to load_initial_weights, each rank reading only its part.
     loads_pretrained_weights = True
+    fault_tolerance = frozenset({"torchft"})  # fsdp / hsdp without tp and pp: fault_tolerance_of
 
     @classmethod
     def config_problems(cls, cfg, world_size: int) -> List[str]:
@@ -61,6 +62,14 @@ class TorchNativeStrategy(Strategy):
             problems.append(f"strategy.cpu_offload=true is available without tensor and pipeline parallelism only "
                             f"(got strategy.tp={s.tp}, strategy.pp={s.pp}); set strategy.cpu_offload=false")
         return problems
+
+    @classmethod
+    def fault_tolerance_of(cls, cfg):
+        """torchft replica groups over FSDP2 layouts: each group shards (and replicates) inside itself; the groups
+        are the outer replicas. Not with tensor or pipeline parallelism."""
+        s = cfg.strategy
+        plain = s.name in _ALWAYS_FSDP and s.tp == 1 and s.pp == 1
+        return cls.fault_tolerance if plain else frozenset()
 
     @classmethod
     def degrees_of(cls, name: str):
@@ -209,6 +218,7 @@ class TorchNativeStrategy(Strategy):
             self._build_schedule()
         if self.tied:
             self._tie_group = self._tied_stages_group()
+        self.attach_replica_groups()
         return self.model, self.optimizer
 
     # ---- tied embeddings on the first and last pipeline stage ----------------------------------------------------
