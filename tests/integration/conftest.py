@@ -201,3 +201,25 @@ def checkpoint_tensors(path) -> dict:
 
     walk("", state)
     return out
+
+
+def descendants(pid: int) -> list:
+    """Every live process below `pid` (a launcher's agent, its ranks)."""
+    from trainer.torchrun import children
+
+    out, frontier = [], [pid]
+    while frontier:
+        frontier = [c for p in frontier for c in children(p)]
+        out += frontier
+    return out
+
+
+def wait_while_running(condition, what: str, procs, timeout: float = 240) -> None:
+    """Poll `condition()` until it holds; fail on the timeout or when one of `procs` ends first."""
+    import time
+
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        assert all(p.poll() is None for p in procs), f"a launch ended while waiting for {what}"
+        time.sleep(0.05)

@@ -11,7 +11,8 @@ import subprocess
 import sys
 import time
 
-from tests.integration.conftest import REPO, SMALL, free_port, launch, metrics, ok, rel_err
+from tests.integration.conftest import (REPO, SMALL, descendants, free_port, launch, metrics, ok, rel_err,
+                                        wait_while_running)
 
 STEPS = 120
 ARGS = SMALL + ["data.embedded_documents=400", "train.global_batch_size=8", "train.micro_batch_size=2",
@@ -30,26 +31,8 @@ def _agent(run_dir, port: int, log):
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def _descendants(pid: int) -> list:
-    from trainer.torchrun import children
-
-    out, frontier = [], [pid]
-    while frontier:
-        frontier = [c for p in frontier for c in children(p)]
-        out += frontier
-    return out
-
-
 def _steps(run_dir) -> list:
     return [r["step"] for r in metrics(run_dir)] if (run_dir / "metrics.jsonl").exists() else []
-
-
-def _wait(condition, what: str, procs, timeout: float = 240):
-    deadline = time.time() + timeout
-    while not condition():
-        assert time.time() < deadline, f"timed out waiting for {what}"
-        assert all(p.poll() is None for p in procs), f"a node ended while waiting for {what}"
-        time.sleep(0.05)
 
 
 def test_a_node_leaves_and_comes_back(tmp_path):
@@ -63,20 +46,20 @@ def test_a_node_leaves_and_comes_back(tmp_path):
     b2 = None
     procs = [a, b]
     try:
-        _wait(lambda: len(_steps(run_dir)) >= 12, "step 12 at world size 2", procs)
+        wait_while_running(lambda: len(_steps(run_dir)) >= 12, "step 12 at world size 2", procs)
         t_lost = time.time()
-        for pid in [b.pid] + _descendants(b.pid):  # the node is gone: its agent and its rank at once
+        for pid in [b.pid] + descendants(b.pid):  # the node is gone: its agent and its rank at once
             os.kill(pid, signal.SIGKILL)
         b.wait()
         procs = [a]
         a_log = tmp_path / "a.log"
-        _wait(lambda: "world 1 (dp 1)" in a_log.read_text(), "the job to re-form at world size 1", procs)
+        wait_while_running(lambda: "world 1 (dp 1)" in a_log.read_text(), "the job to re-form at world size 1", procs)
         t_shrunk = time.time()
         resumed = _steps(run_dir)[-1]
-        _wait(lambda: _steps(run_dir)[-1] >= resumed + 3, "steps at world size 1", procs)
+        wait_while_running(lambda: _steps(run_dir)[-1] >= resumed + 3, "steps at world size 1", procs)
         b2 = _agent(run_dir, port, logs["b2"])
         procs = [a, b2]
-        _wait(lambda: a_log.read_text().count("world 2 (dp 2)") >= 2, "the job to grow to world size 2", procs)
+        wait_while_running(lambda: a_log.read_text().count("world 2 (dp 2)") >= 2, "the job to grow to world size 2", procs)
         t_grown = time.time()
         a.wait(timeout=300)
         b2.wait(timeout=300)

@@ -18,8 +18,8 @@ import time
 import pytest
 import torch
 
-from tests.integration.conftest import (FP32_TOL, REPO, SMALL, checkpoint_tensors, curve_errors, launch, metrics, ok,
-                                        read_jsonl, rel_err, run_process_group)
+from tests.integration.conftest import (FP32_TOL, REPO, SMALL, checkpoint_tensors, curve_errors, descendants, launch,
+                                        metrics, ok, read_jsonl, rel_err, run_process_group, wait_while_running)
 
 pytest.importorskip("torchft", reason="torchft publishes wheels for Linux x86_64 only")
 
@@ -80,18 +80,9 @@ def _records(run_dir, g: int) -> list:
     return read_jsonl(path) if path.exists() else []
 
 
-def _wait(condition, what: str, procs, timeout: float = 240):
-    deadline = time.time() + timeout
-    while not condition():
-        assert time.time() < deadline, f"timed out waiting for {what}"
-        assert all(p.poll() is None for p in procs), f"a group ended while waiting for {what}"
-        time.sleep(0.05)
-
-
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_replica_group_dies_the_other_trains_on_and_it_rejoins(tmp_path, layout):
     from trainer.torchft_launch import start_lighthouse
-    from tests.integration.test_elastic import _descendants
 
     steps = 90
     lighthouse, address = start_lighthouse(1)
@@ -101,19 +92,19 @@ def test_a_replica_group_dies_the_other_trains_on_and_it_rejoins(tmp_path, layou
     g1 = _group(run_dir, 1, address, steps, logs["g1"], layout)
     procs = [g0, g1]
     try:
-        _wait(lambda: len(_records(run_dir, 0)) >= KILL_AFTER[layout], "the step to kill at", procs)
+        wait_while_running(lambda: len(_records(run_dir, 0)) >= KILL_AFTER[layout], "the step to kill at", procs)
         t_lost = time.time()
-        for pid in [g1.pid] + _descendants(g1.pid):  # the group is gone: its torchrun agent and its rank
+        for pid in [g1.pid] + descendants(g1.pid):  # the group is gone: its torchrun agent and its rank
             os.kill(pid, signal.SIGKILL)
         g1.wait()
         procs = [g0]
-        _wait(lambda: sum(r["replica_groups"] == 1 for r in _records(run_dir, 0)) >= 8, "8 steps of group 0 alone",
+        wait_while_running(lambda: sum(r["replica_groups"] == 1 for r in _records(run_dir, 0)) >= 8, "8 steps of group 0 alone",
               procs)
         t_alone = next(r["time"] for r in _records(run_dir, 0) if r["replica_groups"] == 1)
         g1 = _group(run_dir, 1, address, steps, logs["g1-again"], layout)
         procs = [g0, g1]
         alone = sum(r["replica_groups"] == 1 for r in _records(run_dir, 0))
-        _wait(lambda: any(r["replica_groups"] == 2 for r in _records(run_dir, 0)[alone + 12:]),
+        wait_while_running(lambda: any(r["replica_groups"] == 2 for r in _records(run_dir, 0)[alone + 12:]),
               "group 1 to rejoin", procs)
         assert g0.wait(timeout=300) == 0, (tmp_path / "g0.log").read_text()[-3000:]
         assert g1.wait(timeout=300) == 0, (tmp_path / "g1-again.log").read_text()[-3000:]
