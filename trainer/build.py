@@ -242,7 +242,10 @@ def build(p: Prepared) -> Run:
               accum, num_params, model_shapes=p.model_shapes, model_desc=desc, built_param_bytes=built_param_bytes,
               watchdog=watch)
     identity = ckpt.RunIdentity(cfg, p.data.fingerprint, p.model_shapes, desc, p.tokenizer)
-    # A replica that recovers from a peer (torchft) copies the schedule and the counters with the weights.
+    # A replica group that recovers from a live one (torchft) copies the schedule and the counters with the weights,
+    # once the live group's identity shows that it trains the same run (the checks of a resume).
+    strategy.share_state("identity", lambda: ckpt.identity_meta(identity, strategy),
+                         lambda meta: ckpt.check_peer_identity(meta, identity, strategy))
     strategy.share_state("progress", run.progress.state_dict, run.progress.load_state_dict)
     strategy.share_state("scheduler", scheduler.state_dict, scheduler.load_state_dict)
     run.checkpointer = ckpt.CheckpointManager(p.run_dir, strategy, scheduler, sampler, run.progress, identity, logger)

@@ -138,9 +138,14 @@ def verify_files(path: str, meta: dict, checksums: bool = False) -> None:
                                   f"resume from another one") from None
 
 
+WEIGHTS_ONLY_HINT = " (or set checkpoint.load_weights_only=true to start a new run from its weights)"
+
+
 def compatibility_problems(meta: dict, cfg, model_shapes: Dict[str, list], data_fingerprint: str,
-                           weights_only: bool, checkpoint_format: str = "dcp", dp_size: int = 1) -> List[str]:
-    """What makes a checkpoint unusable for this run, each naming the mismatch."""
+                           weights_only: bool, checkpoint_format: str = "dcp", dp_size: int = 1,
+                           hint: str = WEIGHTS_ONLY_HINT) -> List[str]:
+    """What makes a checkpoint unusable for this run, each naming the mismatch (`hint`: how to start from its
+    weights instead)."""
     problems = []
     saved = meta.get("model_shapes", {})
     missing = sorted(set(saved) - set(model_shapes))
@@ -163,7 +168,6 @@ def compatibility_problems(meta: dict, cfg, model_shapes: Dict[str, list], data_
                         f"format, or export it (python -m trainer.export) and start from model=hf")
     if weights_only:
         return problems
-    hint = " (or set checkpoint.load_weights_only=true to start a new run from its weights)"
     if meta.get("optim_name") != cfg.optim.name:
         problems.append(f"optim.name={cfg.optim.name!r} but the checkpoint was trained with "
                         f"{meta.get('optim_name')!r}{hint}")
@@ -174,6 +178,25 @@ def compatibility_problems(meta: dict, cfg, model_shapes: Dict[str, list], data_
         problems.append(f"the data differs from the checkpoint's (data.* / data.seq_len / tokenizer: "
                         f"{meta.get('data_fingerprint')} vs {data_fingerprint}){hint}")
     return problems
+
+
+def identity_meta(identity, strategy) -> dict:
+    """What compatibility_problems reads of a checkpoint's meta.json, for a live run (a replica group that another
+    group recovers from)."""
+    cfg = identity.cfg
+    return {"optim_name": cfg.optim.name, "global_batch_size": cfg.train.global_batch_size,
+            "data_fingerprint": identity.data_fingerprint, "model_shapes": identity.model_shapes,
+            "model_desc": identity.model_desc, "strategy": cfg.strategy.name,
+            "checkpoint_format": strategy.checkpoint_format}
+
+
+def check_peer_identity(meta: dict, identity, strategy) -> None:
+    """A replica group may take a live group's state only where it could resume that group's checkpoint."""
+    problems = compatibility_problems(meta, identity.cfg, identity.model_shapes, identity.data_fingerprint, False,
+                                      strategy.checkpoint_format, hint="")
+    if problems:
+        raise CheckpointError("this replica group cannot take the live groups' state (they train another run):\n"
+                              + "\n".join(f"  - {x}" for x in problems))
 
 
 # --------------------------------------------------------------------------------------------------------

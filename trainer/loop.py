@@ -44,8 +44,7 @@ def fit(run) -> None:
         lr = strategy.optimizer.param_groups[0]["lr"]
         loss_sum = strategy.forward_backward(micro_batches, n_target)
         grad_norm, skipped = strategy.optimizer_step(t.grad_clip)
-        if not strategy.committed():  # the replica groups could not agree on this step: run it again
-            run.logger.info(f"step {k + 1} was not committed (a replica group failed during it); running it again")
+        if not strategy.committed():  # not taken (a replica group failed during it; the strategy says so): again
             continue
         run.scheduler.step()
         run.step += 1

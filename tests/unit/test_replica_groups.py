@@ -115,7 +115,7 @@ def test_a_recovering_group_gets_the_model_and_optimizer_state_of_a_live_one():
 
 
 def test_a_peer_state_that_does_not_fit_is_refused_by_name():
-    with pytest.raises(RuntimeError, match="lacks"):
+    with pytest.raises(TesseraError, match="lacks"):
         replica_groups.copy_into_module(torch.nn.Linear(4, 3), {"weight": torch.zeros(3, 4)})
 
 

@@ -32,7 +32,7 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
-from tessera.errors import TesseraError
+from tessera.errors import FaultError, TesseraError
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 START_WAIT_S = 60  # how long a group waits for the others before its first step
@@ -122,7 +122,7 @@ def copy_into_module(module, state: dict) -> None:
     own = module.state_dict()
     missing = sorted(set(own) - set(state))
     if missing:
-        raise RuntimeError(f"the live replica group's model state lacks {missing[:3]}: do the groups run the same "
+        raise TesseraError(f"the live replica group's model state lacks {missing[:3]}: do the groups run the same "
                            f"model and config?")
     for k, v in own.items():
         _local(v).copy_(state[k])
@@ -171,9 +171,10 @@ class ReplicaGroups:
 
         s = cfg.strategy
         self.groups, self.group = s.replica_groups, max(s.replica_group, 0)
+        self.lighthouse = lighthouse_address(s)
         timeout = datetime.timedelta(seconds=cfg.train.collective_timeout_s)
         pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
-        self._state_fns: Dict[str, tuple] = {}
+        self._shared: Dict[str, tuple] = {}
         host, port = self._group_store()
         self.manager = Manager(
             pg=pg, load_state_dict=None, state_dict=None, min_replica_size=s.min_replica_groups,
@@ -181,7 +182,7 @@ class ReplicaGroups:
             timeout=timeout, quorum_timeout=timeout, connect_timeout=datetime.timedelta(seconds=10),
             rank=dist.get_rank() if dist.is_initialized() else 0,
             world_size=dist.get_world_size() if dist.is_initialized() else 1,
-            store_addr=host, store_port=port, lighthouse_addr=lighthouse_address(s),
+            store_addr=host, store_port=port, lighthouse_addr=self.lighthouse,
             replica_id=f"tessera_group_{self.group}", init_sync=True)
         self.participants = 0
         self.committed = True
@@ -206,17 +207,20 @@ class ReplicaGroups:
         return host, port[0]
 
     def share_state(self, key: str, state_dict: Callable[[], object], load_state_dict: Callable[[object], None]):
-        """State a recovering group copies from a healthy peer (model, optimizer, scheduler, counters)."""
-        self.manager.register_state_dict_fn(key, load_state_dict, state_dict)
+        """State a recovering group copies from a live one (model, optimizer, scheduler, counters). Registered with
+        torchft before the first quorum, "identity" first: a group that trains something else is refused before
+        any of its state is overwritten."""
+        self._shared[key] = (load_state_dict, state_dict)
 
     def begin_step(self, step: int) -> None:
         """Quorum for the next step; a group behind the others (new, restarted) loads their state here."""
         if not self._synced_step:  # a resumed run: torchft counts from the run's step
             self.manager.load_state_dict({"step": step, "batches_committed": step * self.groups})
+            for key in sorted(self._shared, key=lambda k: k != "identity"):
+                self.manager.register_state_dict_fn(key, *self._shared[key])
             self._synced_step = True
         before = self.participants
-        self.manager.start_quorum()
-        self.participants = self.manager.num_participants()
+        self._quorum()
         if before == 0 and self.participants < self.groups:
             self._wait_for_groups()
         if self.manager.current_step() != step:
@@ -225,6 +229,16 @@ class ReplicaGroups:
         if self.participants != before:
             self._say(f"{self.participants} of {self.groups} replica groups train from step "
                       f"{self.manager.current_step() + 1}")
+
+    def _quorum(self) -> None:
+        try:
+            self.manager.start_quorum()
+            self.participants = self.manager.num_participants()
+        except TesseraError:  # this group cannot take the live groups' state (another run): said as it is
+            raise
+        except Exception as e:  # noqa: BLE001 - torchft raises what its RPCs raise
+            raise FaultError(f"replica group {self.group}: no quorum from the torchft lighthouse at "
+                             f"{self.lighthouse} ({str(e).splitlines()[0][:200]}); is it still running?") from None
 
     def _wait_for_groups(self) -> None:
         """Groups started together begin together: before its first step a group asks for new quorums (each waits
@@ -237,8 +251,7 @@ class ReplicaGroups:
             if self.participants >= self.groups:
                 break
             time.sleep(0.5)
-            self.manager.start_quorum()
-            self.participants = self.manager.num_participants()
+            self._quorum()
 
     def reduce(self, grads: List[torch.Tensor], loss_sum: torch.Tensor, tokens: float, n_target: int):
         """Sum the participating groups' gradients, token-loss sums and target tokens (one all-reduce per rank),
