@@ -83,7 +83,11 @@ read -r launcher restarts <<<"$("$PY" -m trainer.launch_plan "$@")"
 export TESSERA_MAX_RESTARTS="$restarts"
 case "$launcher" in
   python)
-    exec "$PY" trainer/main.py "$@"
+    if [ "$restarts" = 0 ]; then
+      exec "$PY" trainer/main.py "$@"
+    fi
+    # One process with restarts: a small supervisor starts it again after a fault (trainer/single_launch.py).
+    exec "$PY" -m trainer.single_launch trainer/main.py "$@"
     ;;
   torchrun)
     if [ "$NNODES" = 1 ] && [ -z "${MASTER_PORT:-}" ]; then

@@ -21,7 +21,7 @@ import os
 import subprocess
 import sys
 
-from trainer.torchrun import Forwarder, children
+from trainer.torchrun import Forwarder, children, outcome_after_stop
 
 LAUNCH_MODULE = "deepspeed.launcher.launch"
 
@@ -80,31 +80,12 @@ def main(argv) -> int:
         env = dict(os.environ, TESSERA_LAUNCHER_PID=str(os.getpid()))
         runner = subprocess.Popen([sys.executable, "-u", "-m", "deepspeed.launcher.runner", *argv], env=env,
                                   start_new_session=True)
-        return _outcome(runner.wait(), stop)
+        return outcome_after_stop(runner.wait(), stop)
 
     try:
         return restarts.supervise(attempt, lambda: stop.signum is not None, stop.label)
     finally:
         stop.cancel()
-
-
-def _outcome(code: int, stop: Forwarder) -> int:
-    from tessera.errors import EXIT_FAULT, EXIT_INTERRUPTED
-
-    if stop.signum is None:
-        return code
-    if stop.escalated:
-        return EXIT_FAULT
-    if code == 0:
-        return 0
-    if code == EXIT_INTERRUPTED:
-        print(f"{stop.label}: interrupted twice: the ranks stopped at once, without saving", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    if code < 0 or code in (128 + stop.signum, 256 - stop.signum):  # ended by the signal before training
-        print(f"{stop.label}: stopped by {stop.name} before training started (nothing to save)", file=sys.stderr)
-        return 0
-    print(f"{stop.label}: the ranks ended with exit code {code} after {stop.name}", file=sys.stderr)
-    return code
 
 
 if __name__ == "__main__":

@@ -50,8 +50,7 @@ def plan_for(overrides) -> str:
         launcher, restarts = _launcher(cfg), int(cfg.train.max_restarts)
     except Exception:  # noqa: BLE001 - any composition problem is reported by the real run
         return "python 0"
-    # One process (strategy=single) runs as launch.sh itself: no launcher process is left to restart it.
-    return f"{launcher} {max(restarts, 0) if launcher != 'python' else 0}"
+    return f"{launcher} {max(restarts, 0)}"
 
 
 def launcher_command(launcher: str, nproc: int = 1, script: str = MAIN) -> list:

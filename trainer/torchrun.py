@@ -94,6 +94,27 @@ class Forwarder:
             self._timer.cancel()
 
 
+def outcome_after_stop(code: int, stop: Forwarder) -> int:
+    """The exit code of a launch whose ranks ended with `code`, after a stop signal the Forwarder passed on (or
+    not: then `code` as it is)."""
+    from tessera.errors import EXIT_FAULT, EXIT_INTERRUPTED
+
+    if stop.signum is None:
+        return code
+    if stop.escalated:
+        return EXIT_FAULT
+    if code == 0:
+        return 0
+    if code == EXIT_INTERRUPTED:
+        print(f"{stop.label}: interrupted twice: the ranks stopped at once, without saving", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    if code < 0 or code in (128 + stop.signum, 256 - stop.signum):  # ended by the signal before training
+        print(f"{stop.label}: stopped by {stop.name} before training started (nothing to save)", file=sys.stderr)
+        return 0
+    print(f"{stop.label}: the ranks ended with exit code {code} after {stop.name}", file=sys.stderr)
+    return code
+
+
 def _with_default_signals(argv):
     if any(a.split("=")[0] in ("--signals-to-handle", "--signals_to_handle") for a in argv):
         return list(argv)

@@ -192,6 +192,36 @@ def test_a_killed_rank_restarts_and_the_run_ends_as_if_never_interrupted(ddp2, t
     assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]
 
 
+def test_a_killed_single_process_run_restarts_through_launch_sh(straight, tmp_path):
+    """strategy=single through launch.sh has restarts too (trainer/single_launch.py): the trainer SIGKILLed after
+    step 8 starts again from its step-6 checkpoint and ends with the uninterrupted run's losses, bit for bit."""
+    from trainer.torchrun import children
+
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               TESSERA_VENV=os.path.dirname(os.path.dirname(sys.executable)))
+    cmd = [str(REPO / "launch.sh"), "train.max_restarts=2"] + BASE + ["strategy=single", "checkpoint.every=6",
+                                                                     f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 240
+        while _logged_steps(run_dir) < 8:
+            assert proc.poll() is None and time.time() < deadline, "the run ended before the moment to kill came"
+            time.sleep(0.02)
+        trainer, = children(proc.pid)  # launch.sh became the supervisor; its one child is the trainer
+        os.kill(trainer, signal.SIGKILL)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, f"STDOUT:\n{out[-3000:]}\nSTDERR:\n{err[-3000:]}"
+    assert f"the trainer (pid {trainer}) was killed by SIGKILL" in err and "restarting the ranks (1 of 2)" in err, err
+    assert f"restart 1: continuing the run in {run_dir} from its checkpoint of step 6" in out + err, out[-3000:]
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, 17))
+    _assert_same(run_dir, straight, 1, exact=True)
+
+
 def _start_with_timed_stderr(cmd, env):
     """Popen whose stderr lines are collected with the time they arrived: (process, [(monotonic time, line)])."""
     import threading

@@ -113,7 +113,11 @@ def test_divergence_stops_after_the_last_finite_checkpoint(tmp_path):
 
 def test_loss_spike_stops_and_skip_mode_trains_through(tmp_path):
     with Timer() as t:
-        proc = launch("python", BASE + ["train.max_steps=12", "optim.lr=3", "train.grad_clip=0",
+        # SGD with a learning rate ramping up by 0.67 a step: five steady losses (the spike check's history), then
+        # the loss blows up (measured: 765 at step 6 against a mean of 10.7). The AdamW rate of 3 used before jumped
+        # at step 2 on a fresh install (5.5 -> 95.8), before five losses were logged: the check never judged it.
+        proc = launch("python", BASE + ["train.max_steps=12", "optim=sgd", "optim.lr=20", "scheduler.name=constant",
+                                        "scheduler.warmup_steps=30", "train.grad_clip=0",
                                         "train.loss_spike_factor=2"], tmp_path / "spike")
     check_case("divergence: loss spike over train.loss_spike_factor", proc, t.seconds, 3, "train.loss_spike_factor=2")
     # skip: steps with a non-finite gradient are not applied; the run ends normally with finite weights.

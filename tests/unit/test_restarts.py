@@ -82,5 +82,5 @@ def test_a_restarted_rank_continues_its_run(compose, tmp_path, monkeypatch, env)
 def test_launch_sh_gets_the_launcher_and_the_restarts():
     assert launch_plan.plan_for(["strategy=ddp"]) == "torchrun 3"
     assert launch_plan.plan_for(["strategy=zero2", "train.max_restarts=0"]) == "deepspeed 0"
-    assert launch_plan.plan_for(["strategy=single"]) == "python 0"  # launch.sh execs it: nothing to restart it
+    assert launch_plan.plan_for(["strategy=single"]) == "python 3"  # trainer/single_launch.py restarts it
     assert launch_plan.plan_for(["no_such_key=1"]) == "python 0"  # the entry point reports it

@@ -1,11 +1,12 @@
 """Fault-tolerant replica groups with torchft (`strategy.fault_tolerance=torchft`).
 
-The job is `strategy.replica_groups` groups, each its own torchrun job (its ranks run DDP among themselves, on
-the default process group). A torchft lighthouse forms a quorum of the live groups before every step; rank r of
-each group all-reduces its (group-summed) gradient with rank r of the others through torchft's Manager, which
-reconfigures that process group whenever the quorum changes. A group that dies is left out of the next quorum
-and the others train on; a group that (re)starts copies the current weights, optimizer state, scheduler and
-step counters from a healthy peer (torchft's checkpoint transport) before its first step and then takes part.
+The job is `strategy.replica_groups` groups of equal layout, each its own torchrun job whose ranks run DDP or
+FSDP2 (strategy=hsdp: sharded inside the group) among themselves on the default process group. A torchft
+lighthouse forms a quorum of the live groups before every step; rank r of each group all-reduces its gradient
+(group-reduced; a DTensor's local shard) with rank r of the others through torchft's Manager, which reconfigures
+that process group whenever the quorum changes. A group that dies is left out of the next quorum and the others
+train on; a group that (re)starts copies the current weights, optimizer state, scheduler and step counters from
+a live one (torchft's checkpoint transport) before its first step and then takes part.
 
 Normalisation follows the participating tokens: every rank computes its gradient as its token-loss sum divided
 by the global batch's target tokens (the loop's rule); the cross-group reduction sums gradients, token-loss sums
@@ -22,10 +23,10 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import socket
 import sys
 import time
 import warnings
-import socket
 from typing import Callable, Dict, List
 from urllib.parse import urlparse
 
