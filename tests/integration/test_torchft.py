@@ -66,7 +66,9 @@ def test_replica_groups_train_like_one_job_over_all_their_ranks(tmp_path, layout
         if layout == "ddp":
             assert [(r["loss"], r["grad_norm"]) for r in recs] == [(r["loss"], r["grad_norm"]) for r in reference]
         else:
-            assert max(curve_errors(recs, reference, same_steps=True)) <= FP32_TOL
+            errors = curve_errors(recs, reference, same_steps=True)
+            print(f"\ntorchft hsdp group {g}: max relative loss error {errors[0]:.1e}, grad norm {errors[1]:.1e}")
+            assert max(errors) <= FP32_TOL
 
 
 def _group(run_dir, g: int, lighthouse: str, steps: int, log, layout: str, extra=()):
@@ -102,10 +104,12 @@ def test_a_replica_group_dies_the_other_trains_on_and_it_rejoins(tmp_path, layou
     try:
         wait_while_running(lambda: len(_records(run_dir, 0)) >= kill_after, "the step to kill at", procs)
         t_lost = time.time()
-        if how == "rank":  # the rank only: its torchrun restarts it
+        if how == "rank":  # the rank only: its torchrun restarts it (group 0 may or may not see a step alone: a
+            # restart that beats the lighthouse's heartbeat timeout joins the very next quorum)
             for pid in descendants(g1.pid):
                 os.kill(pid, signal.SIGKILL)
-            wait_while_running(lambda: _alone(run_dir) >= 1, "group 0 alone", procs)
+            wait_while_running(lambda: "recovered from a live group" in (tmp_path / "g1.log").read_text(),
+                               "group 1 to recover", procs)
         else:  # the group's node: its torchrun agent and its ranks at once; back by hand later
             for pid in [g1.pid] + descendants(g1.pid):
                 os.kill(pid, signal.SIGKILL)
@@ -114,11 +118,10 @@ def test_a_replica_group_dies_the_other_trains_on_and_it_rejoins(tmp_path, layou
             wait_while_running(lambda: _alone(run_dir) >= 3, "3 steps of group 0 alone", procs)
             g1 = _group(run_dir, 1, address, steps, logs["g1-again"], layout)
             procs = [g0, g1]
-        t_alone = next(r["time"] for r in _records(run_dir, 0) if r["replica_groups"] == 1)
-        wait_while_running(lambda: _records(run_dir, 0)[-1]["replica_groups"] == 2 and _alone(run_dir) > 0,
-                           "group 1 to rejoin", procs)
+            wait_while_running(lambda: "recovered from a live group" in (tmp_path / "g1-again.log").read_text(),
+                               "group 1 to recover", procs)
         assert g0.wait(timeout=300) == 0, (tmp_path / "g0.log").read_text()[-3000:]
-        assert g1.wait(timeout=300) == 0, (tmp_path / "g1.log").read_text()[-3000:]
+        assert g1.wait(timeout=300) == 0, (tmp_path / f"g1{'' if how == 'rank' else '-again'}.log").read_text()[-3000:]
     finally:
         for p in (g0, g1):
             if p.poll() is None:
@@ -131,14 +134,16 @@ def test_a_replica_group_dies_the_other_trains_on_and_it_rejoins(tmp_path, layou
     assert [r["step"] for r in recs] == list(range(1, steps + 1)), "one record per step, none repeated or missing"
     groups = [r["replica_groups"] for r in recs]
     down = [r["step"] for r in recs if r["replica_groups"] == 1]
-    first, last = down[0], down[-1]
     # Two groups, then group 0 alone (not restarted: one launch, its steps advancing), then two again.
+    first, last = (down[0], down[-1]) if down else (kill_after + 1, kill_after)
     assert groups == [2] * (first - 1) + [1] * (last - first + 1) + [2] * (steps - last), groups
-    # Alone, group 0 trains on its share of each global batch only: about half the tokens of a full step.
+    assert len(down) >= (3 if how == "node" else 0)
     delta = {b["step"]: b["tokens"] - a["tokens"] for a, b in zip(recs, recs[1:])}
-    alone = [delta[k] for k in down if k in delta]
     full = [v for k, v in delta.items() if k not in down]
-    assert max(alone) < min(full) and 0.3 < (sum(alone) / len(alone)) / (sum(full) / len(full)) < 0.7
+    alone = [delta[k] for k in down if k in delta] or [0]
+    if down:  # alone, group 0 trains on its share of each global batch only: about half the tokens of a step
+        assert max(alone) < min(full) and 0.3 < (sum(alone) / len(alone)) / (sum(full) / len(full)) < 0.7
+    t_alone = recs[first - 1]["time"] if down else float("nan")
     back_log = (tmp_path / ("g1.log" if how == "rank" else "g1-again.log")).read_text()
     assert "recovered from a live group" in back_log, back_log[-3000:]
     if how == "rank":
@@ -148,10 +153,11 @@ def test_a_replica_group_dies_the_other_trains_on_and_it_rejoins(tmp_path, layou
     want = checkpoint_tensors(run_dir / "replica_group_0" / "checkpoints" / f"step_{steps}")
     assert got.keys() == want.keys() and len(want) > 10
     assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]
-    print(f"\ntorchft {layout}: group 1's {how} killed after step {kill_after}; group 0 trained alone steps {first}.."
-          f"{last} ({len(down)} steps; the first logged {t_alone - t_lost:.1f} s after the kill), both groups again "
-          f"from step {last + 1}; tokens per step alone {sum(alone) / len(alone):.0f} vs {sum(full) / len(full):.0f}; "
-          f"the groups' final checkpoints equal ({len(want)} tensors); final loss {recs[-1]['loss']:.4f}")
+    alone_desc = (f"group 0 trained alone for {len(down)} steps ({first}..{last}; the first logged "
+                  f"{t_alone - t_lost:.1f} s after the kill; tokens per step {sum(alone) / len(alone):.0f} vs "
+                  f"{sum(full) / len(full):.0f})" if down else "group 1 was back before group 0's next quorum")
+    print(f"\ntorchft {layout}: group 1's {how} killed after step {kill_after}; {alone_desc}; both groups from step "
+          f"{last + 1}; the groups' final checkpoints equal ({len(want)} tensors); final loss {recs[-1]['loss']:.4f}")
 
 
 def test_a_group_of_another_run_is_refused_and_the_live_group_trains_on(tmp_path):
