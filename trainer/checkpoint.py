@@ -496,12 +496,9 @@ class CheckpointManager:
         strategy, identity, cfg = self.strategy, self.identity, self.identity.cfg
         meta = {"format": FORMAT, **self.progress.state_dict(), "step": step,  # the key order of earlier saves
                 "loader": self.sampler.state_dict(step), "scheduler": self.scheduler.state_dict(),
-                "precision": strategy.precision.state_dict(), "optim_name": cfg.optim.name,
-                "optim_param_groups": strategy.optimizer_param_groups(),
-                "global_batch_size": cfg.train.global_batch_size, "data_fingerprint": identity.data_fingerprint,
-                "model_shapes": identity.model_shapes, "model_desc": identity.model_desc,
-                "strategy": cfg.strategy.name, "world_size": strategy.dims.world_size, "dp_size": strategy.dp_size,
-                "checkpoint_format": strategy.checkpoint_format}
+                "precision": strategy.precision.state_dict(), "optim_param_groups": strategy.optimizer_param_groups(),
+                **identity_meta(identity, strategy),  # what resuming checks (compatibility_problems)
+                "world_size": strategy.dims.world_size, "dp_size": strategy.dp_size}
         with open(os.path.join(tmp, "meta.json"), "w") as fh:
             json.dump(meta, fh, default=_json_default)
         OmegaConf.save(OmegaConf.structured(cfg), os.path.join(tmp, "config.yaml"))

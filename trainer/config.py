@@ -126,9 +126,9 @@ class StrategyConfig:
     bucket_cap_mb: float = documented(25.0, "DDP: gradient bucket size in MiB.")
     find_unused_parameters: bool = documented(False, "DDP: allow parameters that get no gradient in a step.")
     gradient_as_bucket_view: bool = documented(True, "DDP: gradients are views into the buckets (saves a copy).")
-    fault_tolerance: str = documented("none", "none, or torchft: ddp as replica groups coordinated by a torchft "
-                                              "lighthouse; the others train on when a group fails (README \"When "
-                                              "ranks fail\").")
+    fault_tolerance: str = documented("none", "none, or torchft: ddp or fsdp/hsdp as replica groups coordinated by "
+                                              "a torchft lighthouse; the others train on when a group fails (README "
+                                              "\"When ranks fail\").")
     replica_groups: int = documented(1, "torchft: number of replica groups; each is its own torchrun job and "
                                         "takes its share of the global batch.")
     replica_group: int = documented(-1, "torchft: this job's group, 0..replica_groups-1; -1 = launch.sh starts "

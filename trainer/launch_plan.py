@@ -1,7 +1,7 @@
-"""Launchers. For launch.sh: compose the config from the command-line overrides and print which launcher the
-chosen strategy needs (python, torchrun, deepspeed, or torchft: replica groups with their lighthouse); prints `python` when the overrides don't compose, so the
-entry point itself reports the problem once. For tests and benchmarks: the command line of each launcher
-(`launcher_command`) and a run whose whole process group dies on a timeout (`run_process_group`)."""
+"""Launchers. For launch.sh: compose the config from the command-line overrides and print which launcher the chosen
+strategy needs (python, torchrun, deepspeed, or torchft: replica groups with their lighthouse); prints `python` when the
+overrides don't compose, so the entry point itself reports the problem once. For tests and benchmarks: the command line
+of each launcher (`launcher_command`) and a run whose whole process group dies on a timeout (`run_process_group`)."""
 from __future__ import annotations
 
 import os

@@ -11,6 +11,7 @@ its launcher (TESSERA_LAUNCHER_PID): if this process dies, even by SIGKILL, the 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -30,8 +31,6 @@ def main(argv) -> int:
         child = subprocess.Popen([sys.executable, *argv], env=env, start_new_session=True)
         code = child.wait()
         if code < 0 and stop.signum is None:  # killed by a signal: it could not say anything itself
-            import signal
-
             print(f"{stop.label}: error: the trainer (pid {child.pid}) was killed by {signal.Signals(-code).name}",
                   file=sys.stderr, flush=True)
         return outcome_after_stop(code, stop)

@@ -4,7 +4,7 @@ and `strategy.replica_groups` torchrun jobs of --nproc_per_node ranks each (trai
 has its own restarts: a group that fails is started again and recovers from a live one while the others train
 on). SIGTERM / Ctrl-C reach every group, which stop and save. The exit code is the first failing group's, else 0.
 
-    python -m trainer.torchft_launch --nproc_per_node 2 trainer/main.py strategy=ddp strategy.fault_tolerance=torchft ...
+    python -m trainer.torchft_launch --nproc_per_node 2 trainer/main.py strategy.fault_tolerance=torchft ...
 
 On several machines, start one lighthouse (`torchft_lighthouse --min_replicas 1`) and one torchrun job per
 group with strategy.replica_group=<g> and strategy.lighthouse=http://<host>:29510 (README "When ranks fail").

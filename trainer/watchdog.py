@@ -8,12 +8,11 @@ that are known to be long (evaluation, a checkpoint save, the export): a hang ou
 backend does not time out.
 
 Either way the message names the stalled rank. Every rank beats: a daemon thread rewrites
-`<run dir>/.heartbeat/rank-<r>.json` (its rank, pid, host, step, phase and a beat counter) about once a second
-and at each step. The
-thread keeps beating while the main thread waits in a collective and stops only when the whole process stops
-(SIGSTOP, a dead process, a machine gone), so the ranks whose counter does not move over a few beats are the
-stalled ones. Nothing is half-written: beats go through a temporary file and an atomic rename, and a rank that
-ends this way has no save in progress (the save phase is exempt; its collectives still time out, and a
+`<run dir>/.heartbeat/rank-<r>.json` (its rank, pid, host, step, phase and a beat counter) about once a second and
+at each step. The thread keeps beating while the main thread waits in a collective and stops only when the whole
+process stops (SIGSTOP, a dead process, a machine gone), so the ranks whose counter does not move over a few beats
+are the stalled ones. Nothing is half-written: beats go through a temporary file and an atomic rename, and a rank
+that ends this way has no save in progress (the save phase is exempt; its collectives still time out, and a
 checkpoint only counts once its completion marker is written).
 """
 from __future__ import annotations

@@ -45,9 +45,9 @@ def _env():
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_replica_groups_train_like_one_job_over_all_their_ranks(tmp_path, layout):
-    """2 groups against the same strategy on all their ranks in one job, through launch.sh (it starts the
-    lighthouse and both groups). ddp, 2 x 1 rank: every logged loss and gradient norm equal (the same two-way fp32 sums, the
-    token scale exactly 1); hsdp, 2 x 2 ranks sharding: within fp32 reordering (FP32_TOL)."""
+    """2 groups against the same strategy on all their ranks in one job, through launch.sh (it starts the lighthouse and
+    both groups). ddp, 2 x 1 rank: every logged loss and gradient norm equal (the same two-way fp32 sums, the token
+    scale exactly 1); hsdp, 2 x 2 ranks sharding: within fp32 reordering (FP32_TOL)."""
     nproc, layout_args = LAYOUTS[layout]
     args = ARGS + layout_args + ["train.max_steps=8"]
     ok(launch("torchrun", args, tmp_path / "one-job", nproc=2 * nproc))
@@ -137,7 +137,8 @@ def test_a_replica_group_dies_the_other_trains_on_and_it_rejoins(tmp_path, layou
     # Two groups, then group 0 alone (not restarted: one launch, its steps advancing), then two again.
     first, last = (down[0], down[-1]) if down else (kill_after + 1, kill_after)
     assert groups == [2] * (first - 1) + [1] * (last - first + 1) + [2] * (steps - last), groups
-    assert len(down) >= (3 if how == "node" else 0)
+    if how == "node":  # kept down until group 0 had trained 3 steps alone
+        assert len(down) >= 3
     delta = {b["step"]: b["tokens"] - a["tokens"] for a, b in zip(recs, recs[1:])}
     full = [v for k, v in delta.items() if k not in down]
     alone = [delta[k] for k in down if k in delta] or [0]
