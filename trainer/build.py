@@ -22,7 +22,7 @@ from models import registry
 from models.init import initial_weights
 from trainer import checkpoint as ckpt
 from trainer import config as C
-from trainer import parallel, restarts, rundir, watchdog
+from trainer import comm_bytes, parallel, restarts, rundir, watchdog
 from trainer.data.datasets import DataSplits, build_data
 from trainer.data.sampler import GlobalBatchSampler
 from tessera.errors import ConfigError, ModelError, TesseraError
@@ -201,6 +201,7 @@ def build(p: Prepared) -> Run:
         # Processes of one node share its cores; oversubscribed threads slow every rank down.
         local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local, 1)))
+    comm_bytes.install()  # before any process group or engine: they keep references to the collectives
     if p.strategy_cls.needs_process_group:
         parallel.init_process_group(device, cfg.train.collective_timeout_s)
         _check_run_dir_agreement(p.run_dir)

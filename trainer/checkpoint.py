@@ -400,9 +400,13 @@ class CheckpointManager:
                 os.makedirs(self.root, exist_ok=True)
                 shutil.rmtree(tmp, ignore_errors=True)
                 os.makedirs(os.path.join(tmp, "rng"))
+                os.makedirs(os.path.join(tmp, "local"))
                 self._write_rank0_files(tmp, step)
             self._barrier()  # the folder exists before any rank writes into it
             torch.save(rng_state(), os.path.join(tmp, "rng", f"rank_{self.rank}.pt"))
+            local = self.strategy.local_state()
+            if local:  # rank 0 made the folder before the barrier
+                torch.save(local, os.path.join(tmp, "local", f"rank_{self.rank}.pt"))
             future = self.strategy.save_checkpoint_state(tmp, self.group, self.cfg.async_save)
             if future is not None:
                 if self.rank == 0:  # hash the files in the background too, once they are written
@@ -559,6 +563,11 @@ class CheckpointManager:
         rng_file = os.path.join(path, "rng", f"rank_{self.rank}.pt")
         if os.path.isfile(rng_file) and meta["world_size"] == world_size:
             set_rng_state(load_tensors(rng_file, "RNG state file"))
+        local_file = os.path.join(path, "local", f"rank_{self.rank}.pt")
+        same_layout = meta["world_size"] == world_size and os.path.isfile(local_file)
+        notice = self.strategy.load_local_state(load_tensors(local_file, "rank state file") if same_layout else None)
+        if notice:
+            self.logger.info(f"resume: {notice}")
         self.last_saved_step = self.progress.step
         change = "" if meta["world_size"] == world_size else \
             f" (saved at world size {meta['world_size']}, now {world_size})"

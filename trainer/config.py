@@ -137,6 +137,29 @@ class StrategyConfig:
                                      "$TORCHFT_LIGHTHOUSE, or the one launch.sh starts.")
     min_replica_groups: int = documented(1, "torchft: a step needs at least this many groups (the lighthouse's "
                                             "min_replicas).")
+    comm_hook: str = documented("none", "DDP: compress the gradient reduction: none, bf16, fp16 or powersgd "
+                                        "(torch's DDP communication hooks).")
+    powersgd_rank: int = documented(1, "DDP with comm_hook=powersgd: rank of the low-rank factors of each matrix.")
+    powersgd_warmup_steps: int = documented(10, "DDP with comm_hook=powersgd: uncompressed steps before PowerSGD "
+                                                "starts (at least 2).")
+    zero_quantized_weights: bool = documented(False, "ZeRO-3 (ZeRO++ qwZ): all-gather weights in int8; CUDA only.")
+    zero_quantized_gradients: bool = documented(False, "ZeRO-3 (ZeRO++ qgZ): reduce gradients in int4; CUDA "
+                                                       "only.")
+    zero_hpz_partition_size: int = documented(1, "ZeRO-3 (ZeRO++ hpZ): ranks per secondary weight partition (the "
+                                                 "GPUs of a node); 1 = off. CUDA only.")
+
+
+@dataclass
+class SyncConfig:
+    name: str = documented("every_step", "How often data-parallel workers synchronise: every_step (the gradient, "
+                                         "each step), local_sgd (average weights every sync.every steps) or "
+                                         "diloco (outer Nesterov step on the averaged change every sync.every "
+                                         "steps). README \"Communicating less\".")
+    every: int = documented(1, "local_sgd / diloco: inner steps between synchronisations (H).")
+    outer_lr: float = documented(0.7, "diloco: outer learning rate (DiLoCo paper: 0.7).")
+    outer_momentum: float = documented(0.9, "diloco: outer Nesterov momentum (DiLoCo paper: 0.9).")
+    overlap: bool = documented(False, "local_sgd / diloco: the averaging runs while the next sync.every inner "
+                                      "steps compute and is applied one round late (streaming DiLoCo's overlap).")
 
 
 @dataclass
@@ -247,6 +270,8 @@ class TesseraConfig:
     data: DataConfig = section(DataConfig, "Training and validation data and its tokenization.")
     strategy: StrategyConfig = section(StrategyConfig, "How the model is spread over the ranks: parallel "
                                                        "degrees and each backend's knobs.")
+    sync: SyncConfig = section(SyncConfig, "Synchronisation of data-parallel workers: every step, or local SGD / "
+                                           "DiLoCo every sync.every steps.")
     optim: OptimConfig = section(OptimConfig, "The optimizer.")
     scheduler: SchedulerConfig = section(SchedulerConfig, "The learning-rate schedule.")
     precision: PrecisionConfig = section(PrecisionConfig, "Compute precision and fp16 loss scaling.")
@@ -286,6 +311,8 @@ CHOICES = {
     "export.dtype": ("fp32", "bf16", "fp16"),
     "train.on_nonfinite": ("stop", "skip"),
     "strategy.fault_tolerance": ("none", "torchft"),
+    "strategy.comm_hook": ("none", "bf16", "fp16", "powersgd"),
+    "sync.name": ("every_step", "local_sgd", "diloco"),
 }
 
 
@@ -330,6 +357,12 @@ RANGES = {
     "strategy.replica_groups": _positive(),
     "strategy.replica_group": _at_least(-1, "-1: every group, started by launch.sh"),
     "strategy.min_replica_groups": _positive(),
+    "strategy.powersgd_rank": _positive(),
+    "strategy.powersgd_warmup_steps": _at_least(2, "torch's PowerSGD starts after DDP's first two steps"),
+    "strategy.zero_hpz_partition_size": _positive("1 = off"),
+    "sync.every": _positive("steps"),
+    "sync.outer_lr": _positive(),
+    "sync.outer_momentum": _between(0, 1, hi_open=True),
     "optim.lr": _positive(),
     "optim.weight_decay": _at_least(0),
     "optim.eps": _positive(),

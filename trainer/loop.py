@@ -13,6 +13,7 @@ import time
 import numpy as np
 import torch
 
+from trainer import comm_bytes
 from trainer.divergence import DivergenceGuard
 from trainer.memory import FirstStepProbe, write_report
 from trainer.metrics import Throughput, device_peak_tflops, flops_per_token, peak_memory_gib
@@ -32,6 +33,7 @@ def fit(run) -> None:
     # logging.memory_report: probe the first step's model-state memory (trainer/memory.py)
     probe = FirstStepProbe(strategy) if cfg.logging.memory_report else None
     guard = DivergenceGuard(run)
+    comm = comm_bytes.COUNTER
     while run.step < t.max_steps:
         strategy.begin_step(run.step)  # a replica group that recovers from a peer may move run.step here
         k = run.step
@@ -42,8 +44,9 @@ def fit(run) -> None:
         positions = run.sampler.micro_batches(k, strategy.dp_rank, strategy.dp_size, t.micro_batch_size)
         micro_batches = [run.data.train.get(pos) for pos in positions]
         lr = strategy.optimizer.param_groups[0]["lr"]
-        loss_sum = strategy.forward_backward(micro_batches, n_target)
-        grad_norm, skipped = strategy.optimizer_step(t.grad_clip)
+        with comm.window():  # the step's collectives: comm_bytes
+            loss_sum = strategy.forward_backward(micro_batches, n_target)
+            grad_norm, skipped = strategy.optimizer_step(t.grad_clip)
         if not strategy.committed():  # not taken (a replica group failed during it; the strategy says so): again
             continue
         run.scheduler.step()
@@ -65,6 +68,8 @@ def fit(run) -> None:
                       "epoch": run.sampler.epoch_of(k), "skipped_steps": run.skipped_steps,
                       "peak_mem_gib": peak_memory_gib(run.device), "time": round(time.time(), 3)}
             record.update(strategy.step_metrics())
+            if strategy.counts_all_collectives:
+                record.update(comm.take() or {})
             if strategy.precision.loss_scale is not None:
                 record["loss_scale"] = strategy.precision.loss_scale
             if peak:

@@ -51,6 +51,12 @@ class Strategy:
     checkpoint_format: ClassVar[str] = "dcp"
     # strategy.fault_tolerance values this strategy runs with besides none.
     fault_tolerance: ClassVar[FrozenSet[str]] = frozenset()
+    # strategy.comm_hook values this strategy can compress its gradient reduction with (besides none).
+    comm_hooks: ClassVar[FrozenSet[str]] = frozenset()
+    # Whether sync=local_sgd / diloco (strategies/sync.py) runs with this strategy.
+    periodic_sync: ClassVar[bool] = False
+    # Whether trainer/comm_bytes.py sees every collective of a step (metrics.jsonl gets comm_bytes only then).
+    counts_all_collectives: bool = True
 
     def __init__(self, cfg, dims, device: torch.device, precision):
         self.cfg, self.dims, self.device, self.precision = cfg, dims, device, precision
@@ -58,6 +64,7 @@ class Strategy:
         self.optimizer = None
         self.skip_nonfinite = cfg.train.on_nonfinite == "skip"
         self.replicas = None  # torchft replica groups (strategies/replica_groups.py), attached by setup
+        self.sync = None  # local SGD / DiLoCo (strategies/sync.py), attached by setup with sync != every_step
         self._step_tokens = None  # (this rank's token-loss sum, its target tokens, the global batch's) with replicas
 
     # ---- checks before any process group starts -------------------------------------------------------
@@ -81,6 +88,9 @@ class Strategy:
                                     f"strategy={cfg.strategy.name} does not use it: leave it unset"
                                     + (" (DeepSpeed: strategy.offload_optimizer / offload_param)"
                                        if key == "cpu_offload" else ""))
+        from trainer.strategies.sync import sync_problems
+
+        problems += sync_problems(cfg, cfg.strategy.name, cls.periodic_sync)
         ft = cfg.strategy.fault_tolerance
         if ft != "none" and ft not in cls.fault_tolerance_of(cfg):
             problems.append(f"strategy.fault_tolerance={ft} is not available with strategy={cfg.strategy.name}"
@@ -91,6 +101,11 @@ class Strategy:
             from trainer.strategies import replica_groups
 
             problems += replica_groups.config_problems(cfg)
+        hook = cfg.strategy.comm_hook
+        if hook != "none" and hook not in cls.comm_hooks:
+            problems.append(f"strategy.comm_hook={hook} is a DDP communication hook; strategy={cfg.strategy.name} "
+                            f"cannot use it: use strategy=ddp, or strategy.reduce_dtype=bf16 with fsdp/hsdp "
+                            f"(the gradient reduce-scatter in bf16), or leave strategy.comm_hook=none")
         from trainer.optim import implementation_problems
 
         problems += implementation_problems(cfg, cls.uses_dtensor_parameters)
@@ -249,7 +264,9 @@ class Strategy:
             batch = {k: to_device(v, self.device) for k, v in batch.items()}
             with self.accumulation_context(i == len(micro_batches) - 1):
                 ce_sum = token_loss_sum(self.model, batch, self.precision)
-                self.backward(ce_sum / num_target_tokens)
+                # a local-SGD / DiLoCo worker's gradient stands for all the workers' (strategies/sync.py)
+                scale = self.sync.loss_scale() if self.sync is not None else 1.0
+                self.backward(ce_sum * scale / num_target_tokens if scale != 1.0 else ce_sum / num_target_tokens)
             total += ce_sum.detach()
         if self.replicas is not None:
             tokens = sum(int((b["labels"] != IGNORE).sum()) for b in micro_batches)
@@ -278,6 +295,8 @@ class Strategy:
             return norm, True
         skipped = self.precision.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
+        if self.sync is not None:
+            self.sync.after_step()
         return norm, skipped
 
     @torch.no_grad()
@@ -308,6 +327,16 @@ class Strategy:
             return {"model": get_model_state_dict(self.model)}
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         return {"model": model_sd, "optim": _tensors_only(optim_sd["state"])}
+
+    def local_state(self) -> dict:
+        """State of this rank alone that the checkpoint keeps beside the shared tensors (a dict of tensors, saved
+        as local/rank_<r>.pt): PowerSGD's error feedback, a local-SGD worker's own weights. Default: none."""
+        return {}
+
+    def load_local_state(self, state) -> str:
+        """Restore `local_state` (None: the checkpoint has none for this rank, e.g. another world size). Returns a
+        notice for the log when something starts afresh, else ""."""
+        return ""
 
     def optimizer_param_groups(self) -> list:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from tessera.errors import FaultError, TesseraError
+from trainer import comm_bytes
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 START_WAIT_S = 60  # how long a group waits for the others before its first step
@@ -264,6 +265,7 @@ class ReplicaGroups:
         flat = torch.cat([g.reshape(-1).float() for g in grads]
                          + [loss_sum.reshape(1).float().to(device), torch.tensor([float(tokens)], device=device)])
         self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+        comm_bytes.COUNTER.add("all_reduce", comm_bytes.tensor_bytes(flat))  # torchft's own process group
         totals = flat[-2:].clone()
         if dist.is_initialized() and dist.get_world_size() > 1:  # the group's ranks: their shares of the batch
             dist.all_reduce(totals)

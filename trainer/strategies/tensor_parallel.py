@@ -219,3 +219,24 @@ def grads_in_param_layout(module) -> None:
     for p in module.parameters():
         if isinstance(p, DTensor) and p.requires_grad:
             p.register_hook(layout_hook(p))
+
+
+# DTensor's functional collectives (what redistributing a tensor-parallel activation or gradient calls):
+# function -> (kind, argument counted; "*": the result), as trainer/comm_bytes.py counts torch.distributed's.
+FUNCTIONAL_COLLECTIVES = {
+    "all_reduce": ("all_reduce", "self"), "all_reduce_coalesced": ("all_reduce", "self"),
+    "all_gather_single": ("all_gather", "*"), "all_gather_tensor": ("all_gather", "*"),
+    "all_gather_tensor_autograd": ("all_gather", "*"), "reduce_scatter_single": ("reduce_scatter", "self"),
+    "reduce_scatter_tensor": ("reduce_scatter", "self"), "reduce_scatter_tensor_autograd": ("reduce_scatter", "self"),
+    "all_to_all_single": ("all_to_all", "self"), "broadcast": ("broadcast", "self"),
+}
+
+
+def count_functional_collectives() -> None:
+    """comm_bytes for DTensor's redistributions: they call torch's functional collectives (a private module,
+    reached through its module attributes), not torch.distributed's functions."""
+    import torch.distributed._functional_collectives as funcol
+
+    from trainer import comm_bytes
+
+    comm_bytes.wrap(funcol, FUNCTIONAL_COLLECTIVES)

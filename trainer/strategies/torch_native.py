@@ -31,7 +31,7 @@ from trainer.strategies import fsdp as F2
 from trainer.strategies.base import StateBytes, Strategy, to_device
 from trainer.strategies.pipeline import (SCHEDULES, SPLIT_BACKWARD_SCHEDULES, StageModule, cut_stage, set_module,
                                          stage_indices, stages_per_rank)
-from trainer.strategies.tensor_parallel import apply_tp, grads_in_param_layout
+from trainer.strategies.tensor_parallel import apply_tp, count_functional_collectives, grads_in_param_layout
 
 # Strategies that shard with FSDP even over one data-parallel rank.
 _ALWAYS_FSDP = ("fsdp", "hsdp")
@@ -158,6 +158,10 @@ class TorchNativeStrategy(Strategy):
         from models.init import decoder_blocks
 
         d, s = self.dims, self.cfg.strategy
+        count_functional_collectives()
+        # torch.compile'd tensor-parallel blocks run their collectives inside compiled code, which comm_bytes
+        # cannot see.
+        self.counts_all_collectives = not (d.tp_enabled and self.cfg.train.compile)
         # Built under empty weights, a model whose config ties the embeddings and the head holds two parameters:
         # tie them (as from_config / from_pretrained do), so every layout trains one weight.
         model.tie_weights()
