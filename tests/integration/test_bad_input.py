@@ -73,6 +73,17 @@ CASES = [
     ("torchft-group-not-named", ["strategy=ddp", "strategy.fault_tolerance=torchft", "strategy.replica_groups=2",
                                  "strategy.lighthouse=http://127.0.0.1:1"], "python", 1, 2,
      "strategy.replica_group=-1 must name this job's group, 0..1"),
+    # Compression and synchronisation a strategy or this machine cannot use (refused before any process group).
+    ("comm-hook-on-fsdp", ["strategy=fsdp", "strategy.comm_hook=powersgd"], "python", 1, 2,
+     "strategy.comm_hook=powersgd is a DDP communication hook; strategy=fsdp cannot use it"),
+    ("diloco-on-zero2", ["strategy=zero2", "sync=diloco"], "python", 1, 2,
+     "sync=diloco is not available with strategy=zero2; use strategy=ddp"),
+    ("powersgd-warmup-too-short", ["strategy=ddp", "strategy.comm_hook=powersgd", "strategy.powersgd_warmup_steps=1"],
+     "python", 1, 2, "strategy.powersgd_warmup_steps=1 must be >= 2"),
+    ("zeropp-on-cpu", ["strategy=zero3", "strategy.zero_quantized_gradients=true", "train.device=cpu"], "python", 1, 2,
+     "needs CUDA devices (DeepSpeed's quantisation kernels)"),
+    ("sync-hook-together", ["strategy=ddp", "sync=local_sgd", "strategy.comm_hook=bf16"], "python", 1, 2,
+     "strategy.comm_hook=bf16 compresses the per-step gradient reduction, which sync=local_sgd does not run"),
     # Attention kernels this machine can't train with.
     ("flash-attention-on-cpu", ["model.attn_implementation=flash_attention_2", "train.device=cpu"], "python", 1, 2,
      "model.attn_implementation=flash_attention_2 needs a CUDA device"),

@@ -46,6 +46,7 @@ class Strategy:
     loads_pretrained_weights: ClassVar[bool] = False
     supports_compile: ClassVar[bool] = True
     uses_fsdp_options: ClassVar[bool] = False  # strategy.cpu_offload / param_dtype / reduce_dtype
+    uses_zero_options: ClassVar[bool] = False  # strategy.zero_quantized_* / zero_hpz_partition_size (ZeRO++)
     uses_dtensor_parameters: ClassVar[bool] = False  # parameters are DTensors (optimizer kernels differ)
     # What save_checkpoint_state writes: checkpoints of one format are only read by strategies of the same.
     checkpoint_format: ClassVar[str] = "dcp"
@@ -101,6 +102,12 @@ class Strategy:
             from trainer.strategies import replica_groups
 
             problems += replica_groups.config_problems(cfg)
+        if not cls.uses_zero_options:
+            for key, off in (("zero_quantized_weights", False), ("zero_quantized_gradients", False),
+                             ("zero_hpz_partition_size", 1)):
+                if getattr(cfg.strategy, key) != off:
+                    problems.append(f"strategy.{key} is a ZeRO++ option of strategy=zero3; strategy="
+                                    f"{cfg.strategy.name} does not use it: leave it unset")
         hook = cfg.strategy.comm_hook
         if hook != "none" and hook not in cls.comm_hooks:
             problems.append(f"strategy.comm_hook={hook} is a DDP communication hook; strategy={cfg.strategy.name} "

@@ -149,8 +149,15 @@ class DDPStrategy(Strategy):
             self.model = model
             self.sync = PeriodicSync(self.cfg, dict(model.named_parameters()), group, dist.get_world_size(group))
         else:
+            bucket_cap_mb = s.bucket_cap_mb
+            if s.comm_hook == "powersgd" and dist.get_backend(self.dp_group()) == "gloo":
+                # gloo runs each bucket's second all-reduce (Q) from a callback of its first (P), so two buckets'
+                # collectives can reach the ranks in different orders (measured: gloo aborts with a size
+                # mismatch). One bucket keeps the order; on the CPU there is no backward to overlap with anyway.
+                model_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+                bucket_cap_mb = max(bucket_cap_mb, model_mib + 1)
             self.ddp = DDP(model, device_ids=[self.device] if self.device.type == "cuda" else None,
-                           bucket_cap_mb=s.bucket_cap_mb, find_unused_parameters=s.find_unused_parameters,
+                           bucket_cap_mb=bucket_cap_mb, find_unused_parameters=s.find_unused_parameters,
                            gradient_as_bucket_view=s.gradient_as_bucket_view)
             self._register_comm_hook(model)
             self.model = self.ddp

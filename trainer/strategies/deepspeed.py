@@ -115,6 +115,26 @@ def build_ds_config(cfg, dp_size: int) -> tuple:
 
     zero = dict(zero_user)
     zero["stage"] = stage
+    # ZeRO++ (quantised weight all-gather, quantised gradient reduction, hierarchical partitions): Tessera's keys
+    # or the JSON's; on the CPU DeepSpeed has none of their kernels.
+    for key, ours, off in (("zero_quantized_weights", s.zero_quantized_weights, False),
+                           ("zero_quantized_gradients", s.zero_quantized_gradients, False),
+                           ("zero_hpz_partition_size", s.zero_hpz_partition_size, 1)):
+        if ours != off:
+            zero[key] = ours
+    zeropp = [k for k, off in (("zero_quantized_weights", False), ("zero_quantized_gradients", False),
+                               ("zero_hpz_partition_size", 1)) if zero.get(k, off) not in (off, "auto")]
+    if zeropp:
+        if stage != 3:
+            problems.append(f"ZeRO++ ({', '.join(zeropp)}) needs ZeRO stage 3; use strategy=zero3")
+        if _on_cpu(cfg):
+            problems.append(f"ZeRO++ ({', '.join(zeropp)}: strategy.{zeropp[0]} or the JSON's zero_optimization) "
+                            f"needs CUDA devices (DeepSpeed's quantisation kernels); set it off on the CPU")
+    opt_type = str(user.get("optimizer", {}).get("type", "")) if isinstance(user.get("optimizer"), dict) else ""
+    if opt_type.replace("_", "").lower() in ("onebitadam", "zerooneadam", "onebitlamb"):
+        problems.append(f"{src}: optimizer.type={opt_type}: DeepSpeed {_ds_version()} no longer ships its 1-bit "
+                        f"optimizers; use optim=adamw (compress the reduction with ZeRO++ on CUDA, or with "
+                        f"strategy=ddp strategy.comm_hook=powersgd)")
     zero.setdefault("overlap_comm", s.overlap_comm)
     zero.setdefault("contiguous_gradients", True)
     for key, ours in (("reduce_bucket_size", s.reduce_bucket_size), ("allgather_bucket_size", s.allgather_bucket_size),
@@ -176,6 +196,16 @@ def build_ds_config(cfg, dp_size: int) -> tuple:
     return ds, problems
 
 
+def _on_cpu(cfg) -> bool:
+    return cfg.train.device == "cpu" or (cfg.train.device == "auto" and not torch.cuda.is_available())
+
+
+def _ds_version() -> str:
+    from importlib.metadata import version
+
+    return version("deepspeed")
+
+
 def _zero_section_problems(zero: dict, src: str) -> List[str]:
     """The merged zero_optimization section checked by DeepSpeed's own schema (types, allowed values, unknown
     keys), so a wrong value is one problem naming the JSON key instead of DeepSpeed's traceback at start-up."""
@@ -213,6 +243,7 @@ def unlink_shared_memory_buffer() -> None:
 
 class DeepSpeedStrategy(Strategy):
     name = "zero"
+    uses_zero_options = True
     names = tuple(STAGES)
     launcher = "deepspeed"
     degrees = frozenset({"dp_replicate"})
@@ -242,8 +273,7 @@ class DeepSpeedStrategy(Strategy):
         for key in ("offload_optimizer", "offload_param"):
             if getattr(s, key) not in OFFLOAD_DEVICES:
                 problems.append(f"strategy.{key}={getattr(s, key)!r} is not one of {', '.join(OFFLOAD_DEVICES)}")
-        on_cpu = cfg.train.device == "cpu" or (cfg.train.device == "auto" and not torch.cuda.is_available())
-        if cfg.precision.name == "fp16" and on_cpu:
+        if cfg.precision.name == "fp16" and _on_cpu(cfg):
             problems.append(f"precision=fp16 with strategy={s.name} needs a CUDA device (DeepSpeed has no fp16 "
                             f"training on the CPU); use precision=bf16 or fp32 here")
         if cfg.checkpoint.async_save:
