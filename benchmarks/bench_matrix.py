@@ -38,25 +38,17 @@ DEGREES = {
 SAVED = re.compile(r"saved checkpoint \S+ \(([\d.]+) MiB in ([\d.]+)s\)")
 
 
-def collectives(probes, num_params: int, strategy: str) -> dict:
-    """The busiest rank's last counted step: bytes at the calls, the paper's volume (an all-reduce counts twice)
-    in bytes and in Ψ, and whether the step before moved the same bytes."""
-    best = None
-    for p in probes:
-        if not p or not p["collectives_by_step"]:
-            continue
-        steps = p["collectives_by_step"]
-        last = steps[max(steps, key=int)]
-        at_calls = sum(c[2] for c in last.values())
-        if best is None or at_calls > best["bytes_at_calls"]:
-            earlier = [steps[k] for k in sorted(steps, key=int)[:-1]]
-            best = {"rank": p["rank"], "bytes_at_calls": at_calls, "by_kind": last,
-                    "volume_bytes": sum(c[2] * (2 if k == "all_reduce" else 1) for k, c in last.items()),
-                    "volume_psi": sum(c[1] * (2 if k == "all_reduce" else 1) for k, c in last.items()) / num_params,
-                    "steady": (earlier[-1] == last) if earlier else None}
-    if best:
-        best["theory_psi"] = THEORY_PSI.get(strategy)
-    return best
+def collectives(records, num_params: int, strategy: str) -> dict:
+    """Rank 0's bytes at the calls in the last logged step (the trainer's comm_bytes), the paper's volume (an
+    all-reduce counts twice) in bytes and in Ψ (fp32 elements), and whether the step before moved the same."""
+    counted = [r for r in records if r.get("comm_bytes_by_kind") is not None]
+    if not counted:
+        return None
+    last = counted[-1]["comm_bytes_by_kind"]
+    volume = sum(v * (2 if k == "all_reduce" else 1) for k, v in last.items())
+    return {"bytes_at_calls": counted[-1]["comm_bytes"], "by_kind": last, "volume_bytes": volume,
+            "volume_psi": volume / 4 / num_params, "theory_psi": THEORY_PSI.get(strategy),
+            "steady": (counted[-2]["comm_bytes_by_kind"] == last) if len(counted) > 1 else None}
 
 
 def memory(report) -> dict:
@@ -93,7 +85,6 @@ def measure(a, strategy: str, n: int, work: str) -> dict:
     micro_batches = a.global_batch // (a.micro_batch * _dp(strategy, n))  # per rank per step
     env = C.thread_env(a.threads)
     profile = strategy == "pp"
-    env["TESSERA_BENCH_COUNT_UNTIL"] = str(a.warmup - 1 if profile else a.warmup)
     env["TESSERA_BENCH_PROFILE_STEP"] = str(a.warmup if profile else 0)
     run = C.run_trainer(overrides, n, os.path.join(work, f"{strategy}-{n}"), env, a.timeout, probe=True)
     first = next(r for r in run["metrics"] if r["step"] == 1)
@@ -102,7 +93,7 @@ def measure(a, strategy: str, n: int, work: str) -> dict:
     row.update(launcher=run["launcher"], accumulation=micro_batches, num_params=num_params,
                tokens_per_s=C.tokens_per_s(run["metrics"], a.warmup),
                launch_to_first_step_s=first["time"] - run["launch_time"],
-               collectives=collectives(run["probes"], num_params, strategy) if n > 1 else None,
+               collectives=collectives(run["metrics"], num_params, strategy) if n > 1 else None,
                memory=memory(run["memory"]),
                checkpoint={"mib": float(saved.group(1)), "seconds": float(saved.group(2))} if saved else None,
                pipeline=bubble(run["probes"], pp, micro_batches, cfg.strategy.pp_schedule) if profile else None)

@@ -2,9 +2,8 @@
 (metrics.jsonl, memory.json, its log), the run-shape overrides, argument parsing, Markdown tables, JSON results.
 
 Run as a script, this file is the per-rank entry of a probed run (`launcher_command(..., script=PROBE)` with
-TESSERA_BENCH_PROBE=<folder>): it runs trainer/main.py unchanged and, between the trainer's steps, counts the
-bytes handed to collectives (one TorchDispatchMode over the c10d and functional-collective ops, which is where
-Python calls, DDP's C++ reducer and DeepSpeed's calls all end up) and times pipeline stages' compute in one step.
+TESSERA_BENCH_PROBE=<folder>): it runs trainer/main.py unchanged and times pipeline stages' compute in one step. Collective bytes are
+the trainer's own count (comm_bytes in metrics.jsonl, trainer/comm_bytes.py).
 """
 from __future__ import annotations
 
@@ -187,77 +186,14 @@ def mib(n) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 # The probe (inside every rank of a probed run)
 # ---------------------------------------------------------------------------------------------------------------
-# op name -> (kind, index of the argument whose tensors are counted, or None: the op's result). All-gathers count
-# their full output, reduce-scatters their full input, everything else the tensor handed over.
-C10D_OPS = {
-    "allreduce_": ("all_reduce", 0), "allreduce_coalesced_": ("all_reduce", 0), "reduce_": ("reduce", 0),
-    "broadcast_": ("broadcast", 0), "allgather_": ("all_gather", 0), "_allgather_base_": ("all_gather", 0),
-    "allgather_coalesced_": ("all_gather", 0), "allgather_into_tensor_coalesced_": ("all_gather", 0),
-    "reduce_scatter_": ("reduce_scatter", 1), "_reduce_scatter_base_": ("reduce_scatter", 1),
-    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1), "alltoall_": ("all_to_all", 1),
-    "alltoall_base_": ("all_to_all", 1), "gather_": ("gather", 1), "scatter_": ("scatter", 0),
-    "send": ("p2p", 0), "recv_": ("p2p", 0), "recv_any_source_": ("p2p", 0),
-}
-FUNCTIONAL_OPS = {
-    "all_reduce": ("all_reduce", 0), "all_reduce_": ("all_reduce", 0), "all_reduce_coalesced": ("all_reduce", 0),
-    "all_reduce_coalesced_": ("all_reduce", 0), "all_gather_into_tensor": ("all_gather", None),
-    "all_gather_into_tensor_out": ("all_gather", None), "all_gather_into_tensor_coalesced": ("all_gather", None),
-    "reduce_scatter_tensor": ("reduce_scatter", 0), "reduce_scatter_tensor_coalesced": ("reduce_scatter", 0),
-    "all_to_all_single": ("all_to_all", 0), "broadcast": ("broadcast", 0), "broadcast_": ("broadcast", 0),
-}
-
-
-def _tensors(x):
-    import torch
-
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, (list, tuple)):
-        for item in x:
-            yield from _tensors(item)
-
-
-def collective_counter():
-    """A TorchDispatchMode that adds up, per collective kind, the calls, elements and bytes of every c10d and
-    functional collective op dispatched while it is active (on this thread and the autograd threads that
-    inherit it)."""
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class CollectiveCounter(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.counts = {}  # kind -> [calls, elements, bytes]
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if any(t not in (torch.Tensor, torch.nn.Parameter) for t in types):
-                return NotImplemented  # a tensor subclass (DTensor) first turns itself into plain-tensor ops
-            out = func(*args, **(kwargs or {}))
-            packet = getattr(func, "_overloadpacket", None)
-            namespace = getattr(packet, "_qualified_op_name", "").split("::")[0]
-            table = {"c10d": C10D_OPS, "_c10d_functional": FUNCTIONAL_OPS}.get(namespace)
-            name = getattr(packet, "__name__", "")
-            if table is not None and name in table:
-                kind, index = table[name]
-                counted = list(_tensors(out if index is None else args[index]))
-                entry = self.counts.setdefault(kind, [0, 0, 0])
-                entry[0] += 1
-                entry[1] += sum(t.numel() for t in counted)
-                entry[2] += sum(t.numel() * t.element_size() for t in counted)
-            return out
-
-    return CollectiveCounter()
-
-
 class Probe:
-    """Counts collectives in steps 3 .. `count_until` (one counter per step, entered after the trainer logged
-    the step before and left after it logged this one; step 2 holds the first step's memory report), times the
-    pipeline stages' compute in step `profile_step`, and writes <run dir>/probe-rank<R>.json at exit."""
+    """Times the pipeline stages' compute in step `profile_step` and writes <run dir>/probe-rank<R>.json at exit
+    (collective bytes come from the trainer itself: comm_bytes in metrics.jsonl)."""
 
-    def __init__(self, out_dir: str, count_until: int, profile_step: int):
-        self.out_dir, self.count_until, self.profile_step = out_dir, count_until, profile_step
+    def __init__(self, out_dir: str, profile_step: int):
+        self.out_dir, self.profile_step = out_dir, profile_step
         self.rank = int(os.environ.get("RANK", "0"))
-        self.counter, self.steps, self.spans, self.profile = None, {}, None, None
+        self.spans, self.profile = None, None
         if profile_step:
             self._time_pipeline_compute()
 
@@ -277,26 +213,17 @@ class Probe:
             setattr(_PipelineStageBase, name, timed)
 
     def after_step(self, step: int) -> None:
-        if self.counter is not None:
-            self.counter.__exit__(None, None, None)
-            self.steps[step] = self.counter.counts
-            self.counter = None
         if self.spans is not None:
             spans, self.spans = self.spans, None
             self.profile = {"compute_start": min((a for a, _ in spans), default=None),
                             "compute_end": max((b for _, b in spans), default=None),
                             "compute_busy_s": _union_length(spans), "compute_calls": len(spans)}
-        if 2 <= step < self.count_until:
-            self.counter = collective_counter()
-            self.counter.__enter__()
-        elif step + 1 == self.profile_step:
+        if step + 1 == self.profile_step:
             self.spans = []
 
     def dump(self) -> None:
-        if self.counter is not None:
-            self.counter.__exit__(None, None, None)
         with open(os.path.join(self.out_dir, f"probe-rank{self.rank}.json"), "w") as fh:
-            json.dump({"rank": self.rank, "collectives_by_step": self.steps, "profile": self.profile}, fh)
+            json.dump({"rank": self.rank, "profile": self.profile}, fh)
 
 
 def _union_length(spans) -> float:
@@ -315,8 +242,7 @@ def probe_main() -> None:
     from trainer.metrics import MetricsLogger
 
     out_dir = os.environ["TESSERA_BENCH_PROBE"]
-    probe = Probe(out_dir, count_until=int(os.environ.get("TESSERA_BENCH_COUNT_UNTIL", "4")),
-                  profile_step=int(os.environ.get("TESSERA_BENCH_PROFILE_STEP", "0")))
+    probe = Probe(out_dir, profile_step=int(os.environ.get("TESSERA_BENCH_PROFILE_STEP", "0")))
     advance = MetricsLogger.advance
 
     def advance_and_probe(self, step, record):

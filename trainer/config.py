@@ -151,10 +151,10 @@ class StrategyConfig:
 
 @dataclass
 class SyncConfig:
-    name: str = documented("every_step", "How often data-parallel workers synchronise: every_step (the gradient, "
-                                         "each step), local_sgd (average weights every sync.every steps) or "
-                                         "diloco (outer Nesterov step on the averaged change every sync.every "
-                                         "steps). README \"Communicating less\".")
+    # README "Communicating less": every_step reduces the gradient each step; local_sgd averages the weights and
+    # diloco takes an outer Nesterov step on the averaged change, every sync.every steps.
+    name: str = documented("every_step", "How data-parallel workers synchronise: every_step, local_sgd or diloco "
+                                         "(every sync.every steps).")
     every: int = documented(1, "local_sgd / diloco: inner steps between synchronisations (H).")
     outer_lr: float = documented(0.7, "diloco: outer learning rate (DiLoCo paper: 0.7).")
     outer_momentum: float = documented(0.9, "diloco: outer Nesterov momentum (DiLoCo paper: 0.9).")

@@ -95,3 +95,17 @@ def test_soak_keeps_memory_files_and_disk_flat(tmp_path):
         assert rank["rss_growth_pct"] < 5.0 and rank["fds_late"] <= rank["fds_warm"], result
     assert 1 <= result["checkpoints_max"] <= 3 and result["flat"] is True, result
     assert "| rank | RSS MiB after warm-up |" in proc.stdout
+
+
+def test_comm_benchmark_reports_bytes_and_losses_per_mode(tmp_path):
+    out, png = tmp_path / "c.json", tmp_path / "c.png"
+    proc = _run([BENCH / "bench_comm.py", "--quick", "--modes", "sync,bf16,local_sgd_h8", "--out", out], timeout=600)
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"sync", "bf16", "local_sgd_h8"} and not any("error" in r for r in rows.values())
+    # bytes do not depend on the machine: bf16 halves the gradient, local SGD sends the weights every 8th step
+    assert rows["bf16"]["comm_bytes_per_step"] == rows["sync"]["comm_bytes_per_step"] / 2
+    assert rows["local_sgd_h8"]["comm_bytes_per_step"] == rows["sync"]["comm_bytes_per_step"] / 8
+    for r in rows.values():
+        assert _positive(r["val_loss"]) and _positive(r["tokens_per_s"]) and len(r["curve"]) == 64
+    assert "| local_sgd_h8 |" in proc.stdout and "8.0x" in proc.stdout
+    assert not png.exists()

@@ -317,6 +317,12 @@ def test_parallel_dims_dp_coordinates():
 
 RANGE_CASES = [
     # (override, expected message fragment)
+    ("strategy.powersgd_rank=0", "strategy.powersgd_rank=0 must be > 0"),
+    ("strategy.powersgd_warmup_steps=1", "strategy.powersgd_warmup_steps=1 must be >= 2"),
+    ("strategy.zero_hpz_partition_size=0", "strategy.zero_hpz_partition_size=0 must be > 0"),
+    ("sync.every=0", "sync.every=0 must be > 0"),
+    ("sync.outer_lr=0", "sync.outer_lr=0.0 must be > 0"),
+    ("sync.outer_momentum=1", "sync.outer_momentum=1.0 must be in [0, 1)"),
     ("model.hidden_size=0", "model.hidden_size=0 must be > 0"),
     ("model.num_layers=-1", "model.num_layers=-1 must be > 0"),
     ("model.num_heads=0", "model.num_heads=0 must be > 0"),
