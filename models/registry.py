@@ -70,12 +70,6 @@ def _attention(m) -> dict:
     return {"attn_implementation": m.attn_implementation} if m.attn_implementation else {}
 
 
-def attention_implementation(hf_config):
-    """The attention kernel a config (of a built model: the one transformers settled on) selects. transformers
-    has no public getter for it: its private property is read here only."""
-    return hf_config._attn_implementation
-
-
 def _llama_config(m, tokenizer):
     from transformers import LlamaConfig
 

@@ -220,25 +220,31 @@ def gemma2_folder(tmp_path_factory):
     return make_model_folder("gemma2", tmp_path_factory.mktemp("gemma2"))
 
 
+def attention_implementation(hf_config) -> str:
+    """The attention kernel a built model settled on: transformers has no public getter, the test reads its
+    private property (product code never does)."""
+    return hf_config._attn_implementation
+
+
 def test_attn_implementation_defaults_to_what_the_model_supports(compose, gemma2_folder):
     cfg = compose(["model=hf", f"model.name_or_path={gemma2_folder}"])
     assert cfg.model.attn_implementation is None
     tokenizer = registry.load_tokenizer(cfg.model)
     model = registry.build(cfg.model, registry.describe(cfg.model, tokenizer))
     # Gemma-2 softcaps its attention logits, which SDPA can't: transformers' default for it is eager.
-    assert registry.attention_implementation(model.config) == "eager"
+    assert attention_implementation(model.config) == "eager"
     out = model(input_ids=torch.tensor([[1, 2, 3, 4]]), labels=torch.tensor([[1, 2, 3, 4]]))
     assert torch.isfinite(out.loss)
 
     preset = compose(["model=tiny", "model.num_layers=1"]).model
     llama = registry.build(preset, registry.describe(preset, embedded_tokenizer()), seed=0)
-    assert registry.attention_implementation(llama.config) == "sdpa"  # where the model supports it, SDPA
+    assert attention_implementation(llama.config) == "sdpa"  # where the model supports it, SDPA
 
 
 def test_explicit_attn_implementation_is_kept(compose, gemma2_folder):
     m = compose(["model=tiny", "model.num_layers=1", "model.attn_implementation=eager"]).model
     model = registry.build(m, registry.describe(m, embedded_tokenizer()), seed=0)
-    assert registry.attention_implementation(model.config) == "eager"
+    assert attention_implementation(model.config) == "eager"
     assert _check_problems(compose, ["model=hf", f"model.name_or_path={gemma2_folder}",
                                      "model.attn_implementation=eager"]) == []
 
