@@ -33,6 +33,17 @@ def test_replicated_strategies_hold_16_bytes_per_parameter():
     assert est.model_states == 8 * psi
 
 
+def test_diloco_adds_its_anchor_and_outer_momentum():
+    psi = _psi()
+    ddp, _, _ = _est(["strategy=ddp"], 2)
+    diloco, _, _ = _est(["strategy=ddp", "sync=diloco"], 2)
+    overlap, _, _ = _est(["strategy=ddp", "sync=diloco", "sync.overlap=true"], 2)
+    local, _, _ = _est(["strategy=ddp", "sync=local_sgd"], 2)
+    assert diloco.model_states - ddp.model_states == 8 * psi  # anchor + momentum
+    assert overlap.model_states - ddp.model_states == 12 * psi  # + the weights of the round in flight
+    assert local.model_states == ddp.model_states
+
+
 def test_sharded_strategies_divide_by_the_shard_degree():
     psi = _psi()
     for world in (2, 4):

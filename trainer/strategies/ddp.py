@@ -165,6 +165,18 @@ class DDPStrategy(Strategy):
         self.attach_replica_groups()
         return self.model, self.optimizer
 
+    @classmethod
+    def estimate_model_states(cls, est, cfg, dims, counts, rank_params: float) -> None:
+        """A replica per rank (the default), plus what sync= keeps beside it: DiLoCo's (or an overlapped round's)
+        fp32 anchor, DiLoCo's outer momentum, an overlapped round's sent weights."""
+        super().estimate_model_states(est, cfg, dims, counts, rank_params)
+        psi, sync = counts.total, cfg.sync
+        if sync.name == "diloco" or (sync.name == "local_sgd" and sync.overlap):
+            est.master_params += 4 * psi  # the anchor
+            est.optimizer += 4 * psi if sync.name == "diloco" and sync.outer_momentum > 0 else 0
+            est.optimizer += 4 * psi if sync.overlap else 0  # the weights when the round in flight left
+            est.notes.append(f"sync={sync.name}: the fp32 anchor and outer state beside each worker's replica")
+
     def _register_comm_hook(self, model) -> None:
         s, group = self.cfg.strategy, self.dp_group()
         world = dist.get_world_size(group)
