@@ -149,6 +149,11 @@ class StrategyConfig:
                                                  "GPUs of a node); 1 = off. CUDA only.")
 
 
+# ZeRO++ keys of strategy (and of a DeepSpeed JSON's zero_optimization) with the value that leaves each off.
+ZERO_PLUS_PLUS_OFF = {"zero_quantized_weights": False, "zero_quantized_gradients": False,
+                      "zero_hpz_partition_size": 1}
+
+
 @dataclass
 class SyncConfig:
     # README "Communicating less": every_step reduces the gradient each step; local_sgd averages the weights and

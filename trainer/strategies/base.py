@@ -103,8 +103,9 @@ class Strategy:
 
             problems += replica_groups.config_problems(cfg)
         if not cls.uses_zero_options:
-            for key, off in (("zero_quantized_weights", False), ("zero_quantized_gradients", False),
-                             ("zero_hpz_partition_size", 1)):
+            from trainer.config import ZERO_PLUS_PLUS_OFF
+
+            for key, off in ZERO_PLUS_PLUS_OFF.items():
                 if getattr(cfg.strategy, key) != off:
                     problems.append(f"strategy.{key} is a ZeRO++ option of strategy=zero3; strategy="
                                     f"{cfg.strategy.name} does not use it: leave it unset")
@@ -267,13 +268,13 @@ class Strategy:
         cross-entropies over the global batch divided by its target-token count, so each micro-batch's sum is
         divided by the global count (never a mean of per-micro-batch means). Returns the local CE sum."""
         total = torch.zeros((), device=self.device)
+        scale = self.sync.loss_scale() if self.sync is not None else 1.0
         for i, batch in enumerate(micro_batches):
             batch = {k: to_device(v, self.device) for k, v in batch.items()}
             with self.accumulation_context(i == len(micro_batches) - 1):
                 ce_sum = token_loss_sum(self.model, batch, self.precision)
                 # a local-SGD / DiLoCo worker's gradient stands for all the workers' (strategies/sync.py)
-                scale = self.sync.loss_scale() if self.sync is not None else 1.0
-                self.backward(ce_sum * scale / num_target_tokens if scale != 1.0 else ce_sum / num_target_tokens)
+                self.backward(ce_sum / num_target_tokens if scale == 1.0 else ce_sum * scale / num_target_tokens)
             total += ce_sum.detach()
         if self.replicas is not None:
             tokens = sum(int((b["labels"] != IGNORE).sum()) for b in micro_batches)

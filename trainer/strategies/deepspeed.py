@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from tessera.errors import ConfigError
+from trainer.config import ZERO_PLUS_PLUS_OFF
 from trainer.strategies.base import StateBytes, Strategy, to_device, token_loss_sum
 
 STAGES = {"zero1": 1, "zero2": 2, "zero3": 3, "zero3_offload": 3}
@@ -117,13 +118,10 @@ def build_ds_config(cfg, dp_size: int) -> tuple:
     zero["stage"] = stage
     # ZeRO++ (quantised weight all-gather, quantised gradient reduction, hierarchical partitions): Tessera's keys
     # or the JSON's; on the CPU DeepSpeed has none of their kernels.
-    for key, ours, off in (("zero_quantized_weights", s.zero_quantized_weights, False),
-                           ("zero_quantized_gradients", s.zero_quantized_gradients, False),
-                           ("zero_hpz_partition_size", s.zero_hpz_partition_size, 1)):
-        if ours != off:
-            zero[key] = ours
-    zeropp = [k for k, off in (("zero_quantized_weights", False), ("zero_quantized_gradients", False),
-                               ("zero_hpz_partition_size", 1)) if zero.get(k, off) not in (off, "auto")]
+    for key, off in ZERO_PLUS_PLUS_OFF.items():
+        if getattr(s, key) != off:
+            zero[key] = getattr(s, key)
+    zeropp = [k for k, off in ZERO_PLUS_PLUS_OFF.items() if zero.get(k, off) not in (off, "auto")]
     if zeropp:
         if stage != 3:
             problems.append(f"ZeRO++ ({', '.join(zeropp)}) needs ZeRO stage 3; use strategy=zero3")
