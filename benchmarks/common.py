@@ -199,18 +199,19 @@ class Probe:
 
     def _time_pipeline_compute(self) -> None:
         # Schedule1F1B marks no profiler ranges (only GPipe and the multi-stage runtime do), so the stage's own
-        # compute entry points are timed: forward, backward (input and weight parts) of one micro-batch.
-        from torch.distributed.pipelining.stage import _PipelineStageBase
+        # compute entry points are timed: forward, backward (input and weight parts) of one micro-batch. They are
+        # shadowed on the public PipelineStage class, the one the trainer builds its stages from.
+        from torch.distributed.pipelining import PipelineStage
 
         for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-            def timed(self_, *args, _original=getattr(_PipelineStageBase, name), **kwargs):
+            def timed(self_, *args, _original=getattr(PipelineStage, name), **kwargs):
                 t0 = time.time()
                 try:
                     return _original(self_, *args, **kwargs)
                 finally:
                     if self.spans is not None:
                         self.spans.append((t0, time.time()))
-            setattr(_PipelineStageBase, name, timed)
+            setattr(PipelineStage, name, timed)
 
     def after_step(self, step: int) -> None:
         if self.spans is not None:

@@ -1,7 +1,7 @@
 """Seeded initial weights that do not depend on how (or where) the model is built.
 
 A preset's initial weights come from a meta-device copy of the model, one *init unit* at a time: each decoder
-block (the classes in the model's `_no_split_modules`) is a unit, and everything outside the blocks
+block (an item of the model's list of blocks, `decoder_blocks`) is a unit, and everything outside the blocks
 (embeddings, final norm, head, rotary tables) is one more. A unit is materialized on CPU in fp32, the global
 RNG is seeded from (seed, unit name), and Hugging Face's own `_init_weights` runs over it children first, as
 `from_config` would. The values therefore depend only on the seed and the unit, never on construction order,
@@ -18,15 +18,21 @@ from torch import nn
 
 
 def decoder_blocks(model: nn.Module) -> List[Tuple[str, nn.Module]]:
-    """(qualified name, module) of the model's repeated blocks: the outermost modules whose class is in the
-    model's `_no_split_modules` (Hugging Face's own list of modules that must stay whole)."""
-    # transformers exposes this list only as the underscore class attribute; no public accessor exists.
-    block_classes = set(getattr(model, "_no_split_modules", None) or ())
-    roots = []
+    """(qualified name, module) of the model's repeated blocks: the items of the nn.ModuleList that holds the
+    most parameter tensors (the outermost one on a tie). Found from the module tree alone, so it holds for any
+    causal LM whose blocks sit in one list (`layers`, `h`, `blocks`), hybrids with several block classes
+    included; a list nested inside a block (MoE experts) always holds fewer tensors than the list of blocks.
+    Tensors are counted, not elements: on the meta device and in ZeRO-3's partitions only the count is real."""
+    best, best_size = None, 0
     for name, module in model.named_modules():
-        if type(module).__name__ in block_classes and not any(name.startswith(r + ".") for r, _ in roots):
-            roots.append((name, module))
-    return roots
+        if isinstance(module, nn.ModuleList) and len(module):
+            size = sum(1 for _ in module.parameters())
+            if size > best_size:
+                best, best_size = (name, module), size
+    if best is None:
+        return []
+    prefix = best[0] + "." if best[0] else ""
+    return [(prefix + child_name, child) for child_name, child in best[1].named_children()]
 
 
 def _modules_of_unit(root: nn.Module, prefix: str, skip: set) -> List[Tuple[str, nn.Module]]:

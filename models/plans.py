@@ -118,7 +118,7 @@ class PipelineSplit:
 
 def pipeline_split(model) -> Optional[PipelineSplit]:
     """How to cut `model` into pipeline stages, derived from its structure: the ModuleList holding the decoder
-    blocks (`_no_split_modules`), and beside it, in the module that owns that list, the modules with parameters
+    blocks (`models.init.decoder_blocks`), and beside it, in the module that owns that list, the modules with parameters
     that run before the blocks (the token embedding, additive position embeddings, an input projection) and
     after them (final norm, output projection); the LM head outside it runs last. Modules without parameters
     (rotary tables, dropout) stay on every stage. None when the model does not have that shape."""

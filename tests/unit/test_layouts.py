@@ -143,6 +143,21 @@ def test_pipeline_splits_are_derived_from_the_decoder_layer_list(model_type, lay
     assert (split.layers, split.first, split.last, split.zeroed_on_later_stages) == (layers, first, last, zeroed)
 
 
+@pytest.mark.parametrize("model_type,layers,extra", [
+    ("gpt2", "transformer.h", {}),
+    ("mixtral", "model.layers", {}),  # the experts' lists inside each block are not the blocks
+    ("jamba", "model.layers", {}),  # two block classes (attention, mamba) in one list
+])
+def test_decoder_blocks_are_the_items_of_the_largest_module_list(model_type, layers, extra):
+    from models.init import decoder_blocks
+
+    model = _meta(model_type, **extra)
+    blocks = decoder_blocks(model)
+    assert [name for name, _ in blocks] == [f"{layers}.{i}" for i in range(model.config.num_hidden_layers)]
+    assert all(block is model.get_submodule(name) for name, block in blocks)
+    assert decoder_blocks(torch.nn.Linear(2, 2)) == []
+
+
 def _info(model):
     from types import SimpleNamespace
 
