@@ -126,3 +126,64 @@ def test_fsdp_bytes_follow_the_gathers_and_reductions(tmp_path, runs, shapes):
     for rec in metrics(tmp_path):
         assert rec["comm_bytes_by_kind"] == {"all_gather": 2 * 2 * full, "reduce_scatter": 2 * full,
                                              "all_reduce": 8}, rec
+
+
+def test_the_checkpoint_model_is_worker_0s_inside_a_round(runs):
+    """Mid-round the workers' weights differ; the checkpoint's shared model tensors are worker 0's whole model
+    (DCP writes each name from the lowest rank holding it), not a mix of workers per tensor."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    ckpt = runs["diloco_h4"] / "checkpoints" / "step_6"
+    dcp_to_torch_save(ckpt, ckpt.parent / "flat.pt")
+    model = torch.load(ckpt.parent / "flat.pt", weights_only=True)["model"]
+    workers = [torch.load(ckpt / "local" / f"rank_{r}.pt", weights_only=True)["weights"] for r in (0, 1)]
+    assert all(torch.equal(model[n], t) for n, t in workers[0].items())
+    assert not all(torch.equal(model[n], t) for n, t in workers[1].items())
+
+
+# hsdp, 4 ranks: 2 replica groups (the workers) of 2 shards each; SGD, 4 steps
+HSDP = [o for o in BASE if not o.startswith(("strategy=", "train.max_steps"))] + [
+    "strategy=hsdp", "strategy.dp_replicate=2", "strategy.dp_shard=2", "train.max_steps=4"]
+
+
+@pytest.fixture(scope="module")
+def hsdp_runs(tmp_path_factory):
+    out = {}
+    for mode, extra in (("every_step", ["checkpoint.at_end=false"]),
+                        ("local_sgd_h1", ["sync=local_sgd", "sync.every=1", "checkpoint.at_end=false"]),
+                        ("diloco_h2", ["sync=diloco", "sync.every=2", "optim=adamw", "optim.lr=0.003",
+                                       "checkpoint.every=3"])):
+        out[mode] = tmp_path_factory.mktemp(f"hsdp_{mode}")
+        ok(launch("torchrun", HSDP + extra, out[mode], nproc=4))
+    return out
+
+
+def test_hsdp_local_sgd_every_step_is_hsdp(hsdp_runs, shapes):
+    """Each replica group is a worker, sharded inside: with SGD and sync.every=1 the averaged shards are
+    synchronous hsdp's. Bytes: the group's gathers and reduce-scatters, the norm over the group, and once per step
+    the all-reduce of rank 0's shards (FSDP2 gives rank 0 the first ceil(rows / 2) rows of each tensor)."""
+    ref, local = metrics(hsdp_runs["every_step"]), metrics(hsdp_runs["local_sgd_h1"])
+    loss_err = max(rel_err(a["loss"], b["loss"]) for a, b in zip(local, ref))
+    print(f"hsdp local SGD, sync.every=1, vs hsdp (SGD): max relative loss error {loss_err:.2e}")
+    assert len(local) == 4 and loss_err < FP32_TOL
+    full = 4 * sum(_numel(s) for s in shapes.values())
+    shard0 = 4 * sum(-(-s[0] // 2) * _numel(s[1:]) for s in shapes.values())
+    for rec in local:
+        # one micro-batch per rank (8 sequences, 2 per micro-batch, 4 ranks): gathered for forward and backward
+        assert rec["comm_bytes_by_kind"] == {"all_gather": 2 * full, "reduce_scatter": full,
+                                             "all_reduce": shard0 + 8}, rec
+
+
+def test_hsdp_diloco_resumes_exactly(hsdp_runs, tmp_path):
+    run = hsdp_runs["diloco_h2"]
+    shutil.copytree(run / "checkpoints" / "step_3", tmp_path / "checkpoints" / "step_3")
+    extra = ["sync=diloco", "sync.every=2", "optim=adamw", "optim.lr=0.003", "checkpoint.resume=auto",
+             "checkpoint.at_end=false"]
+    proc = launch("torchrun", HSDP + extra, tmp_path, nproc=4)
+    ok(proc)
+    assert "no state of this worker" not in proc.stdout
+    ref = metrics(run)
+    assert ref[-1]["loss"] < ref[0]["loss"]
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in metrics(tmp_path)] == \
+        [(r["step"], r["loss"], r["grad_norm"]) for r in ref[3:]]

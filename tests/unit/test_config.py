@@ -500,3 +500,18 @@ def test_truncated_cache_entry_is_detected_and_rebuilt(tmp_path):
     again = build_or_load(str(tmp_path), {"k": 1}, "text", 300, lambda: iter(docs), log=notes.append)
     assert any("is damaged (tokens.bin has 11 bytes, 30 expected); rebuilding it" in n for n in notes), notes
     assert list(again.tokens) == list(np.concatenate([d for d, _ in docs]))
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["strategy=hsdp", "strategy.dp_replicate=2", "strategy.dp_shard=2", "sync=diloco"], None),
+    (["strategy=ddp", "sync=local_sgd"], None),
+    (["strategy=fsdp", "sync=local_sgd"], "sync=local_sgd is not available with strategy=fsdp; use strategy=ddp"),
+    (["strategy=hsdp", "strategy.dp_replicate=2", "strategy.dp_shard=2", "strategy.cpu_offload=true",
+      "sync=diloco"], "sync=diloco with strategy.cpu_offload=true is not supported"),
+])
+def test_periodic_sync_runs_with_ddp_and_hsdp_only(compose, overrides, expected):
+    if expected is None:
+        check(compose(overrides + ["train.micro_batch_size=4"]), 4)
+    else:
+        problems = _check_problems(compose(overrides), 4)
+        assert len([p for p in problems if expected in p]) == 1, problems

@@ -42,6 +42,10 @@ def test_diloco_adds_its_anchor_and_outer_momentum():
     assert diloco.model_states - ddp.model_states == 8 * psi  # anchor + momentum
     assert overlap.model_states - ddp.model_states == 12 * psi  # + the weights of the round in flight
     assert local.model_states == ddp.model_states
+    # hsdp: each replica group a worker; the anchor and momentum are sharded like the parameters
+    hsdp, _, _ = _est(["strategy=hsdp", "strategy.dp_shard=2"], 4)
+    hsdp_diloco, _, _ = _est(["strategy=hsdp", "strategy.dp_shard=2", "sync=diloco"], 4)
+    assert hsdp_diloco.model_states - hsdp.model_states == pytest.approx(8 * psi / 2)
 
 
 def test_sharded_strategies_divide_by_the_shard_degree():

@@ -54,7 +54,7 @@ class Strategy:
     fault_tolerance: ClassVar[FrozenSet[str]] = frozenset()
     # strategy.comm_hook values this strategy can compress its gradient reduction with (besides none).
     comm_hooks: ClassVar[FrozenSet[str]] = frozenset()
-    # Whether sync=local_sgd / diloco (strategies/sync.py) runs with this strategy.
+    # Whether sync=local_sgd / diloco (strategies/sync.py) runs with this strategy (see periodic_sync_of).
     periodic_sync: ClassVar[bool] = False
     # Whether trainer/comm_bytes.py sees every collective of a step (metrics.jsonl gets comm_bytes only then).
     counts_all_collectives: bool = True
@@ -75,6 +75,11 @@ class Strategy:
         return True
 
     @classmethod
+    def periodic_sync_of(cls, cfg) -> bool:
+        """Whether sync=local_sgd / diloco runs with this strategy in this layout."""
+        return cls.periodic_sync
+
+    @classmethod
     def config_problems(cls, cfg, world_size: int) -> List[str]:
         problems = []
         for key in ("dp_replicate", "dp_shard", "tp", "pp"):
@@ -91,7 +96,7 @@ class Strategy:
                                        if key == "cpu_offload" else ""))
         from trainer.strategies.sync import sync_problems
 
-        problems += sync_problems(cfg, cfg.strategy.name, cls.periodic_sync)
+        problems += sync_problems(cfg, cfg.strategy.name, cls.periodic_sync_of(cfg))
         ft = cfg.strategy.fault_tolerance
         if ft != "none" and ft not in cls.fault_tolerance_of(cfg):
             problems.append(f"strategy.fault_tolerance={ft} is not available with strategy={cfg.strategy.name}"
@@ -355,11 +360,17 @@ class Strategy:
         """Write the model and optimizer tensors into `folder` (DCP, sharded per rank). Returns the future of
         an async save, else None."""
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import DefaultSavePlanner
 
         state = self.checkpoint_state()
+        # Local SGD / DiLoCo workers hold different values under one name: DCP writes each name from one of
+        # the ranks that hold it, by default whichever has written least; the lowest rank, worker 0, here, so
+        # the checkpoint's model is one worker's whole model, never a mix.
+        planner = DefaultSavePlanner(dedup_save_to_lowest_rank=self.sync is not None)
         if async_save:
-            return dcp.async_save(state, checkpoint_id=folder, process_group=group, no_dist=group is None)
-        dcp.save(state, checkpoint_id=folder, process_group=group, no_dist=group is None)
+            return dcp.async_save(state, checkpoint_id=folder, process_group=group, no_dist=group is None,
+                                  planner=planner)
+        dcp.save(state, checkpoint_id=folder, process_group=group, no_dist=group is None, planner=planner)
         return None
 
     def load_checkpoint_from(self, folder: str, group, weights_only: bool, param_groups) -> None:
@@ -529,14 +540,15 @@ def grad_square_sum(grads) -> torch.Tensor:
     return total if total is not None else torch.zeros((), dtype=torch.float64)
 
 
-def world_square_sum(grads, device: torch.device) -> torch.Tensor:
+def world_square_sum(grads, device: torch.device, group=None) -> torch.Tensor:
     """grad_square_sum over every rank (one all-reduce): the squared norm of the whole model's gradient when
     each rank holds a part of it (shards, stages), each DTensor part weighted by 1/(its replicas). (An all-reduce
     over the mesh dimensions the gradient is split over would be fewer bytes, but FSDP2's 2-D (shard x tp) mesh
-    gives groups that miss ranks on gloo: measured, the norm came out ~30% low.)"""
+    gives groups that miss ranks on gloo: measured, the norm came out ~30% low.) `group`: only over its ranks (a
+    local-SGD worker's own gradient)."""
     sq = grad_square_sum(grads).to(device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(sq)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(sq, group=group)
     return sq
 
 

@@ -24,7 +24,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trainer.strategies.base import Strategy
-from trainer.strategies.sync import PeriodicSync
+from trainer.strategies.sync import PeriodicSync, sync_state_bytes
 
 COMM_HOOKS = ("none", "bf16", "fp16", "powersgd")
 
@@ -170,12 +170,11 @@ class DDPStrategy(Strategy):
         """A replica per rank (the default), plus what sync= keeps beside it: DiLoCo's (or an overlapped round's)
         fp32 anchor, DiLoCo's outer momentum, an overlapped round's sent weights."""
         super().estimate_model_states(est, cfg, dims, counts, rank_params)
-        psi, sync = counts.total, cfg.sync
-        if sync.name == "diloco" or (sync.name == "local_sgd" and sync.overlap):
-            est.master_params += 4 * psi  # the anchor
-            est.optimizer += 4 * psi if sync.name == "diloco" and sync.outer_momentum > 0 else 0
-            est.optimizer += 4 * psi if sync.overlap else 0  # the weights when the round in flight left
-            est.notes.append(f"sync={sync.name}: the fp32 anchor and outer state beside each worker's replica")
+        master, optimizer = sync_state_bytes(cfg, counts.total)
+        if master:
+            est.master_params += master
+            est.optimizer += optimizer
+            est.notes.append(f"sync={cfg.sync.name}: the fp32 anchor and outer state beside each worker's replica")
 
     def _register_comm_hook(self, model) -> None:
         s, group = self.cfg.strategy, self.dp_group()

@@ -1,6 +1,8 @@
 """Less frequent synchronisation of data-parallel workers: local SGD and DiLoCo (`sync=` config group).
 
-A worker is one data-parallel replica (a DDP rank). Between synchronisations each worker runs its own optimizer
+A worker is one data-parallel replica: a DDP rank, or an HSDP replica group (FSDP2 shards the worker's model
+inside the group, every step; the workers synchronise their shards, rank i of each group with rank i of the
+others, every H steps). Between synchronisations each worker runs its own optimizer
 on its own share of every global batch and reduces nothing. Each worker's loss is its token-loss sum divided by
 the global batch's target tokens, times the number of workers: averaging the workers' updates then weights every
 token of the global batch equally, as one synchronous step does (with SGD and sync.every=1, local SGD is DDP).
@@ -159,6 +161,17 @@ class PeriodicSync:
         return ""
 
 
+def sync_state_bytes(cfg, psi: float) -> tuple:
+    """(master weights, optimizer state) bytes that sync= keeps beside a worker's `psi` parameters (a rank's
+    share of them): DiLoCo's (or an overlapped round's) fp32 anchor, DiLoCo's outer momentum, an overlapped
+    round's sent weights."""
+    s = cfg.sync
+    if not (s.name == "diloco" or (s.name == "local_sgd" and s.overlap)):
+        return 0, 0
+    optimizer = (4 * psi if s.name == "diloco" and s.outer_momentum > 0 else 0) + (4 * psi if s.overlap else 0)
+    return 4 * psi, optimizer
+
+
 def sync_problems(cfg, strategy_name: str, can_sync: bool) -> List[str]:
     """Config problems of the sync group for a strategy (`can_sync`: whether it runs local SGD / DiLoCo)."""
     s = cfg.sync
@@ -168,8 +181,10 @@ def sync_problems(cfg, strategy_name: str, can_sync: bool) -> List[str]:
         return []
     problems = []
     if not can_sync:
-        problems.append(f"sync={s.name} is not available with strategy={strategy_name}; use strategy=ddp (each rank "
-                        f"a worker) or sync=every_step")
+        problems.append(f"sync={s.name} is not available with strategy={strategy_name}"
+                        f"{' and tensor or pipeline parallelism' if strategy_name == 'hsdp' else ''}; use "
+                        f"strategy=ddp (each rank a worker), strategy=hsdp (each replica group a worker, sharded "
+                        f"inside) or sync=every_step")
     if cfg.strategy.fault_tolerance != "none":
         problems.append(f"sync={s.name} does not run with strategy.fault_tolerance={cfg.strategy.fault_tolerance} "
                         f"yet; use sync=every_step with replica groups")

@@ -58,6 +58,9 @@ class TorchNativeStrategy(Strategy):
         if cfg.train.compile and s.pp not in (1,):
             problems.append(f"train.compile=true is not supported with pipeline parallelism (strategy.pp={s.pp}); "
                             f"set train.compile=false")
+        if s.cpu_offload and cfg.sync.name != "every_step":
+            problems.append(f"sync={cfg.sync.name} with strategy.cpu_offload=true is not supported (the workers' "
+                            f"shards would be synchronised from host memory); set strategy.cpu_offload=false")
         if s.cpu_offload and (s.tp != 1 or s.pp != 1):
             problems.append(f"strategy.cpu_offload=true is available without tensor and pipeline parallelism only "
                             f"(got strategy.tp={s.tp}, strategy.pp={s.pp}); set strategy.cpu_offload=false")
@@ -70,6 +73,13 @@ class TorchNativeStrategy(Strategy):
         s = cfg.strategy
         plain = s.name in _ALWAYS_FSDP and s.tp == 1 and s.pp == 1
         return cls.fault_tolerance if plain else frozenset()
+
+    @classmethod
+    def periodic_sync_of(cls, cfg) -> bool:
+        """Local SGD / DiLoCo across hsdp's replica groups (each group a worker, sharded inside); not with
+        tensor or pipeline parallelism."""
+        s = cfg.strategy
+        return s.name == "hsdp" and s.tp == 1 and s.pp == 1
 
     @classmethod
     def degrees_of(cls, name: str):
@@ -171,10 +181,11 @@ class TorchNativeStrategy(Strategy):
         self.pp_group = mesh["pp"].get_group() if d.pp_enabled else None
         self._dp_group = mesh["dp_replicate", "dp_shard"]._flatten().get_group() if d.dp_enabled else None
         self.pp_rank = mesh["pp"].get_local_rank() if d.pp_enabled else 0
-        if d.dp_replicate_enabled or s.name == "hsdp":
+        local_workers = self.cfg.sync.name != "every_step"  # hsdp: each replica group a local-SGD worker
+        if (d.dp_replicate_enabled or s.name == "hsdp") and not local_workers:
             self.dp_mesh = mesh["dp_replicate", "dp_shard"]
         else:
-            self.dp_mesh = mesh["dp_shard"]
+            self.dp_mesh = mesh["dp_shard"]  # with local workers FSDP reduces inside the group only
 
         self.split = plans.pipeline_split(model) if d.pp_enabled else None
         # Tied embeddings across stages (Megatron's way): the first stage holds the embedding, the last a copy of
@@ -215,6 +226,8 @@ class TorchNativeStrategy(Strategy):
         self.load_initial_weights(None, initial_weights)
         self.state_model = self._state_view(model) if len(self.parts) > 1 else self.parts[0][1]
         self.model = self.state_model
+        if local_workers:
+            self._attach_periodic_sync(mesh["dp_replicate"].get_group() if d.dp_replicate_enabled else None)
         self.optimizer = build_optimizer(self.state_model.named_parameters())
         if self.precision.scaler is not None:  # stages without the loss never call scale(), which sets it up
             self.precision.scaler.scale(torch.zeros((), device=self.device))
@@ -224,6 +237,46 @@ class TorchNativeStrategy(Strategy):
             self._tie_group = self._tied_stages_group()
         self.attach_replica_groups()
         return self.model, self.optimizer
+
+    # ---- local SGD / DiLoCo across hsdp's replica groups (strategies/sync.py) ------------------------------------
+    def _attach_periodic_sync(self, replicate_group) -> None:
+        """Each replica group is a worker; rank i of every group holds the same shard, so the workers' shards are
+        synchronised over the replicate dimension. They start from group 0's values, as every_step's would."""
+        from torch.distributed.tensor import DTensor
+
+        from trainer.strategies.sync import PeriodicSync
+
+        shards = {n: (p.to_local() if isinstance(p, DTensor) else p).detach()  # views of the parameters' storage
+                  for n, p in self.state_model.named_parameters()}
+        workers = dist.get_world_size(replicate_group) if replicate_group is not None else 1
+        if workers > 1:
+            for t in shards.values():
+                dist.broadcast(t, src=dist.get_global_rank(replicate_group, 0), group=replicate_group)
+        self.sync = PeriodicSync(self.cfg, shards, replicate_group, workers)
+        self._norm_group = self.dp_mesh.get_group() if self.dims.dp_size > 1 else None
+
+    def local_state(self) -> dict:
+        if self.sync is None:
+            return {}
+        # this worker's shards of the weights and of the optimizer state (plain tensors: the per-rank file is read
+        # back with weights_only)
+        return {"sync": self.sync.state_dict(),
+                "weights": {n: t.clone() for n, t in self.sync.params.items()},
+                "optimizer": {str(i): {k: _local(v) for k, v in self.optimizer.state[p].items()}
+                              for i, p in enumerate(self.state_model.parameters()) if p in self.optimizer.state}}
+
+    def load_local_state(self, state) -> str:
+        if self.sync is None:
+            return ""
+        if state is None or "sync" not in state:
+            return self.sync.load_state_dict(None)
+        with torch.no_grad():
+            for n, t in self.sync.params.items():
+                t.copy_(state["weights"][n])
+            for i, p in enumerate(self.state_model.parameters()):
+                for k, v in state["optimizer"].get(str(i), {}).items():
+                    _local(self.optimizer.state[p][k]).copy_(v)  # in place: the shared checkpoint set them up
+        return self.sync.load_state_dict(state["sync"])
 
     # ---- tied embeddings on the first and last pipeline stage ----------------------------------------------------
     def _tied_copies(self) -> list:
@@ -409,7 +462,9 @@ class TorchNativeStrategy(Strategy):
         copies = {id(p) for p in self._tied_copies()[1:]} if self.tied and self.has_first_stage else set()
         if self.tied and not self.has_first_stage:
             copies = {id(p) for p in self._tied_copies()}  # the head's copy: the first stage counts the weight
-        norm = world_square_sum([p.grad for p in params if id(p) not in copies], self.device).sqrt()
+        # a local-SGD worker (an hsdp replica group) measures and clips its own gradient
+        group = self._norm_group if self.sync is not None else None
+        norm = world_square_sum([p.grad for p in params if id(p) not in copies], self.device, group).sqrt()
         return clip_to_norm(params, norm, max_norm)
 
     # ---- checkpoints: the tied head's copy reads the embedding's entries where a checkpoint has no others -----
@@ -481,8 +536,16 @@ class TorchNativeStrategy(Strategy):
         block = counts.largest_block / max(dims.tp, 1)
         if dims.dp_size > 1:
             est.buffers = gathered_dtype * (rank_params if not s.reshard_after_forward else 2 * block)
+        from trainer.strategies.sync import sync_state_bytes
+
+        anchor, outer = sync_state_bytes(cfg, rank_params / shard)
+        est.master_params += anchor
+        est.optimizer += outer
+        if anchor:
+            est.notes.append(f"sync={cfg.sync.name}: the fp32 anchor and outer state beside each worker's shards")
         if s.cpu_offload:
-            est.host_params = est.params + est.grads + est.optimizer
+            est.host_params = est.params + est.grads + est.optimizer + est.master_params
+            est.master_params = 0
             est.params = est.grads = est.optimizer = 0
         est.host_load = 4 * max(block, counts.first, counts.last) * 2
         est.notes.append(f"parameters on the meta device until sharded; fp32 shards over {shard} rank(s)"
@@ -545,3 +608,10 @@ def _copy_tree(dst, src) -> None:
             _copy_tree(dst[k], src[k])
     elif isinstance(dst, torch.Tensor):
         dst.copy_(src)
+
+
+def _local(t):
+    """A DTensor's local part (an optimizer state entry of a sharded parameter), a plain tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
