@@ -3,13 +3,15 @@
 A preset's initial weights come from a meta-device copy of the model, one *init unit* at a time: each decoder
 block (an item of the model's list of blocks, `decoder_blocks`) is a unit, and everything outside the blocks
 (embeddings, final norm, head, rotary tables) is one more. A unit is materialized on CPU in fp32, the global
-RNG is seeded from (seed, unit name), and Hugging Face's own `_init_weights` runs over it children first, as
-`from_config` would. The values therefore depend only on the seed and the unit, never on construction order,
-world size, partitioning or device, and no more than one unit is ever materialized at a time: strategies that
-shard (ZeRO-3, FSDP) write each unit into their shards and drop it.
+RNG is seeded from (seed, unit name), and Hugging Face's own `initialize_weights` runs children first, as
+`from_config` would, over a fresh meta copy of the model in which only that unit is real. The values therefore
+depend only on the seed and the unit, never on construction order, world size, partitioning or device, and no
+more than one unit is ever materialized at a time: strategies that shard (ZeRO-3, FSDP) write each unit into
+their shards and drop it.
 """
 from __future__ import annotations
 
+import copy
 import zlib
 from typing import Dict, Iterator, List, Tuple
 
@@ -35,42 +37,6 @@ def decoder_blocks(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     return [(prefix + child_name, child) for child_name, child in best[1].named_children()]
 
 
-def _modules_of_unit(root: nn.Module, prefix: str, skip: set) -> List[Tuple[str, nn.Module]]:
-    """(qualified name, module) of `root`'s subtree in post-order (children first), minus subtrees in `skip`."""
-    out = []
-
-    def visit(name, module):
-        for child_name, child in module.named_children():
-            if id(child) not in skip:
-                visit(f"{name}.{child_name}" if name else child_name, child)
-        out.append((name, module))
-
-    visit(prefix, root)
-    return out
-
-
-def _init_fn(model: nn.Module):
-    from transformers import PreTrainedModel
-
-    # Composite models: the innermost PreTrainedModel owning a module initializes it (like transformers'
-    # smart_apply); for the causal LMs here that is the model itself.
-    owners = {id(m): m for m in model.modules() if isinstance(m, PreTrainedModel)}
-
-    def fn(name: str, module: nn.Module):
-        owner = model
-        parts = name.split(".") if name else []
-        for i in range(len(parts), -1, -1):
-            candidate = model.get_submodule(".".join(parts[:i])) if i else model
-            if id(candidate) in owners:
-                owner = candidate
-                break
-        # transformers' per-module init has no public form (initialize_weights runs over the whole model once,
-        # guarded by flags it sets); the private method is called here only.
-        owner._init_weights(module)
-
-    return fn
-
-
 def meta_model(hf_config) -> nn.Module:
     """The causal LM on the meta device (shapes only, no memory, no init). Its class is constructed directly:
     `from_config` would build under DeepSpeed's partitioned init while a ZeRO-3 config is active."""
@@ -87,20 +53,18 @@ def meta_model(hf_config) -> nn.Module:
 
 @torch.no_grad()
 def initial_weights(hf_config, seed: int) -> Iterator[Dict[str, torch.Tensor]]:
-    """Per init unit, {qualified name: full fp32 CPU tensor} for every parameter and every buffer that
-    `_init_weights` sets. Tied parameters appear once, under their first name (as `named_parameters`)."""
-    model = meta_model(hf_config)
-    init = _init_fn(model)
-    roots = decoder_blocks(model)
-    units = [(name, _modules_of_unit(module, name, set())) for name, module in roots]
-    block_ids = {id(m) for _, m in roots}
-    units.append(("", _modules_of_unit(model, "", block_ids)))  # everything outside the blocks
-    names = {id(t): n for n, t in model.named_buffers()}
-    names.update({id(t): n for n, t in model.named_parameters()})  # tied: the first name, as named_parameters
+    """Per init unit, {qualified name: full fp32 CPU tensor} for every parameter and every buffer that the
+    model's initialization sets. Tied parameters appear once, under their first name (as `named_parameters`)."""
+    pristine = meta_model(hf_config)
+    block_names = [name for name, _ in decoder_blocks(pristine)]
     seen = set()
-    for unit_name, modules in units:
+    for unit_name in [*block_names, ""]:  # "": everything outside the blocks
+        # A fresh copy per unit: transformers' initialize_weights marks what it initialized and skips it after.
+        model = copy.deepcopy(pristine)
+        names = {id(t): n for n, t in model.named_buffers()}
+        names.update({id(t): n for n, t in model.named_parameters()})  # tied: the first name, as named_parameters
         originals, fresh = [], {}
-        for mod_name, module in modules:
+        for module in _unit_modules(model, unit_name, block_names):
             for is_param, own in ((True, module.named_parameters(recurse=False, remove_duplicate=False)),
                                   (False, module.named_buffers(recurse=False, remove_duplicate=False))):
                 for key, t in list(own):
@@ -112,26 +76,41 @@ def initial_weights(hf_config, seed: int) -> Iterator[Dict[str, torch.Tensor]]:
         rng = torch.random.get_rng_state()
         torch.manual_seed(zlib.crc32(f"{seed}:{unit_name or '<root>'}".encode()))
         try:
-            for mod_name, module in modules:
-                init(mod_name, module)
+            # Hugging Face's own initialization, over the whole model children first (as from_config): on the
+            # meta device it draws no random numbers, so the unit's values depend on the seed and the unit only.
+            model.initialize_weights()
         finally:
             torch.random.set_rng_state(rng)
         values = {}
         for module, is_param, key, t in originals:
-            new = getattr(module, key)
-            if id(t) in seen:
+            name, new = names[id(t)], getattr(module, key)
+            if name in seen:
                 continue
-            seen.add(id(t))
+            seen.add(name)
             if torch.isnan(new).any():
                 if is_param:
-                    raise RuntimeError(f"{type(model).__name__}._init_weights left {key!r} of "
+                    raise RuntimeError(f"{type(model).__name__}.initialize_weights left {key!r} of "
                                        f"{type(module).__name__} unset; this model cannot be initialized by units")
-                continue  # a buffer _init_weights does not set: the one built in __init__ stays
-            values[names[id(t)]] = new.detach()
-        for module, is_param, key, t in originals:
-            setattr(module, key, t)  # back to meta: one unit in memory at a time
+                continue  # a buffer the initialization does not set: the one built in __init__ stays
+            values[name] = new.detach()
         yield values
 
+
+def _unit_modules(model: nn.Module, unit_name: str, block_names: List[str]) -> List[nn.Module]:
+    """The modules of one init unit: a block's subtree, or ("") the model minus every block's subtree."""
+    if unit_name:
+        return list(model.get_submodule(unit_name).modules())
+    blocks = {id(model.get_submodule(n)) for n in block_names}
+    out = []
+
+    def visit(module):
+        if id(module) not in blocks:
+            out.append(module)
+            for child in module.children():
+                visit(child)
+
+    visit(model)
+    return out
 
 
 def shared_parameters(model: nn.Module) -> list:

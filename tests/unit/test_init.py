@@ -38,7 +38,7 @@ def test_every_parameter_once_in_blocks_plus_one_unit():
     assert set(params) <= set(values)
     assert {k: list(v.shape) for k, v in values.items() if k in params} == \
         {k: list(v.shape) for k, v in params.items()}
-    # the rotary inverse frequencies: a non-persistent buffer _init_weights computes
+    # the rotary inverse frequencies: a non-persistent buffer the initialization computes
     head_dim = 64 // 4
     expected = 1.0 / (ModelConfig().rope_theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
     torch.testing.assert_close(values["model.rotary_emb.inv_freq"], expected)
