@@ -249,6 +249,12 @@ def model_problems(cfg, info: ModelInfo, tokenizer) -> list:
     if len(tokenizer) > info.vocab_size:
         problems.append(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
                         f"{info.vocab_size}; set model.tokenizer to the model's own tokenizer")
+    if cfg.data.packing == "documents":
+        from models.packing import takes_position_ids
+
+        if not takes_position_ids(info.hf_config):
+            problems.append(f"data.packing=documents needs a model whose forward takes position_ids (restarting at "
+                            f"each packed document); {info.hf_config.model_type} does not: use data.packing=eos")
     return problems
 
 

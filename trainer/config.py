@@ -80,6 +80,8 @@ class DataConfig:
                                                     "own, else Tessera's documented default.")
     max_records: Optional[int] = documented(None, "Cap on documents/records read (null = all), for quick runs on "
                                                   "big data.")
+    packing: str = documented("eos", "eos: text joined by EOS and cut, one SFT example per sequence; documents: "
+                                     "several per sequence, attention kept inside each.")
 
 
 @dataclass
@@ -308,6 +310,7 @@ def to_object(cfg: DictConfig | TesseraConfig) -> TesseraConfig:
 CHOICES = {
     "model.kind": ("llama", "gpt2", "hf"),
     "data.kind": ("embedded", "text", "hub", "sft"),
+    "data.packing": ("eos", "documents"),
     "optim.name": ("adamw", "sgd"),
     "optim.implementation": ("auto", "fused", "foreach", "for_loop"),
     "scheduler.name": ("constant", "linear", "cosine"),

@@ -109,3 +109,15 @@ def test_comm_benchmark_reports_bytes_and_losses_per_mode(tmp_path):
         assert _positive(r["val_loss"]) and _positive(r["tokens_per_s"]) and len(r["curve"]) == 64
     assert "| local_sgd_h8 |" in proc.stdout and "8.0x" in proc.stdout
     assert not png.exists()
+
+
+def test_packing_benchmark_reports_the_speedup_over_padding(tmp_path, generated_data):
+    out = tmp_path / "p.json"
+    proc = _run([BENCH / "bench_packing.py", "--quick", "--data", generated_data.alpaca, "--out", out], timeout=300)
+    rows = {r["packing"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"eos", "documents"}
+    # the generated examples (~200 tokens) go two to a 512-token sequence: about twice the loss positions per step
+    assert rows["documents"]["target_tokens_per_step"] > 1.6 * rows["eos"]["target_tokens_per_step"]
+    assert rows["documents"]["loss_positions"] > 1.6 * rows["eos"]["loss_positions"]
+    assert all(_positive(r["target_tokens_per_s"]) and _positive(r["speedup"]) for r in rows.values())
+    assert "| documents |" in proc.stdout

@@ -70,7 +70,8 @@ def test_token_store_round_trip(tmp_path):
     assert store.meta["num_tokens"] == 24 and store.meta["num_documents"] == 3
     assert store.tokens.dtype == np.uint16
     np.testing.assert_array_equal(store.tokens, np.concatenate(_docs()))
-    assert store.mask is None and store.offsets is None
+    assert store.mask is None
+    np.testing.assert_array_equal(store.offsets, np.cumsum([0] + [len(d) for d in _docs()]))
 
 
 def test_packed_windows_overlap_by_one_and_labels_shift(tmp_path):

@@ -1,9 +1,10 @@
 """Fixed-length training sequences over a token store, the train/validation split, and their assembly.
 
 Each sequence is (input_ids, labels) of length seq_len; labels[t] is the target of position t (the next
-token) or -100 where no loss is taken. Packed text: the token stream (documents joined by EOS) is cut into
-windows of seq_len + 1 tokens that overlap by one. SFT: one example per sequence, truncated and padded,
-labels only on response tokens.
+token) or -100 where no loss is taken. data.packing=eos (the default): packed text, the token stream
+(documents joined by EOS) cut into windows of seq_len + 1 tokens that overlap by one; SFT, one example per
+sequence, truncated and padded, labels only on response tokens. data.packing=documents: several documents (or
+examples) per sequence, each with position ids from 0 and attention kept inside it (DocumentPackedSequences).
 """
 from __future__ import annotations
 
@@ -74,6 +75,80 @@ class SFTSequences:
         return int(self.targets[np.asarray(indices, dtype=np.int64)].sum())
 
 
+class DocumentPackedSequences:
+    """data.packing=documents: whole documents placed one after another in rows of seq_len positions, in corpus
+    order; a row ends where the next piece does not fit (the rest is padding, no loss). A piece is a document's
+    tokens but its last as inputs and its tokens from the second on as labels, with position ids from 0: Hugging
+    Face models read restarting position ids as packed sequences and keep attention inside each piece (a
+    block-diagonal mask with SDPA / eager / flex attention, varlen flash-attention), so no token sees or predicts
+    another document's, and a row trains what its pieces would train one by one. A text document longer than
+    seq_len + 1 tokens is cut into pieces of seq_len + 1 tokens overlapping by one; an SFT example is truncated to
+    seq_len + 1 tokens (as with packing=eos) and dropped when no response token survives."""
+
+    def __init__(self, store: TokenStore, seq_len: int, pad_id: int):
+        self.tokens, self.mask, self.seq_len, self.pad_id = store.tokens, store.mask, seq_len, pad_id
+        offsets = np.asarray(store.offsets, dtype=np.int64)
+        starts, lengths = [], []  # the pieces: first token and number of positions (tokens - 1)
+        for lo, hi in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
+            if self.mask is not None:  # SFT: one piece, truncated
+                starts.append(lo)
+                lengths.append(min(hi - lo, seq_len + 1) - 1)
+            else:
+                for a in range(lo, hi - 1, seq_len):
+                    starts.append(a)
+                    lengths.append(min(hi - a, seq_len + 1) - 1)
+        starts, lengths = np.asarray(starts, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+        if self.mask is not None:
+            csum = np.concatenate([[0], np.cumsum(np.asarray(self.mask, dtype=np.int64))])
+            targets = csum[starts + lengths + 1] - csum[starts + 1]
+            self.dropped = int(np.sum(targets == 0))
+        else:
+            targets = lengths.copy()
+            self.dropped = 0
+        keep = (targets > 0) & (lengths > 0)
+        self.starts, self.lengths, targets = starts[keep], lengths[keep], targets[keep]
+        if not len(self.starts):
+            raise DataError(f"no document keeps a target token within data.seq_len={seq_len}; raise data.seq_len")
+        # Rows: consecutive pieces while they fit.
+        row_of = np.empty(len(self.starts), dtype=np.int64)
+        row, used = 0, 0
+        for i, n in enumerate(self.lengths.tolist()):
+            if used + n > seq_len:
+                row, used = row + 1, 0
+            row_of[i] = row
+            used += n
+        self.row_ptr = np.searchsorted(row_of, np.arange(row + 2))  # pieces of row r: row_ptr[r]:row_ptr[r + 1]
+        self.targets = np.add.reduceat(targets, self.row_ptr[:-1])
+        self.num_pieces = len(self.starts)
+
+    def __len__(self):
+        return len(self.row_ptr) - 1
+
+    def get(self, indices) -> dict:
+        L = self.seq_len
+        ids = np.full((len(indices), L), self.pad_id, dtype=np.int64)
+        labels = np.full((len(indices), L), IGNORE, dtype=np.int64)
+        positions = np.zeros((len(indices), L), dtype=np.int64)
+        for row, r in enumerate(indices):
+            at = 0
+            for i in range(self.row_ptr[r], self.row_ptr[r + 1]):
+                a, n = int(self.starts[i]), int(self.lengths[i])
+                piece = np.asarray(self.tokens[a:a + n + 1], dtype=np.int64)
+                ids[row, at:at + n] = piece[:-1]
+                target = piece[1:]
+                if self.mask is not None:
+                    target = np.where(np.asarray(self.mask[a + 1:a + n + 1], dtype=bool), target, IGNORE)
+                labels[row, at:at + n] = target
+                positions[row, at:at + n] = np.arange(n)
+                at += n
+            positions[row, at:] = np.arange(L - at)  # the padding: a piece of its own, without loss
+        return {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels),
+                "position_ids": torch.from_numpy(positions)}
+
+    def count_targets(self, indices) -> int:
+        return int(self.targets[np.asarray(indices, dtype=np.int64)].sum())
+
+
 class Subset:
     """A view of some sequences (the train or the validation part)."""
 
@@ -108,13 +183,18 @@ def build_data(cfg, tokenizer, vocab_size: int, log: Callable[[str], None] = pri
            "kind": d.kind, "embedded": EMBEDDED_VERSION if d.kind == "embedded" else None}
     if d.kind == "sft":
         store = build_or_load(cache_dir, key, "sft", vocab_size, lambda: _sft_items(d, tokenizer), log)
-        seqs = SFTSequences(store, d.seq_len, tokenizer.pad_token_id)
-        if seqs.dropped:
-            log(f"warning: {seqs.dropped} SFT examples have no response token within data.seq_len={d.seq_len} "
-                f"and are skipped")
     else:
         store = build_or_load(cache_dir, key, "text", vocab_size, lambda: _text_items(d, tokenizer), log)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if d.packing == "documents":
+        seqs = DocumentPackedSequences(store, d.seq_len, pad_id)
+    elif d.kind == "sft":
+        seqs = SFTSequences(store, d.seq_len, pad_id)
+    else:
         seqs = PackedSequences(store, d.seq_len)
+    if getattr(seqs, "dropped", 0):
+        log(f"warning: {seqs.dropped} SFT examples have no response token within data.seq_len={d.seq_len} "
+            f"and are skipped")
     n = len(seqs)
     n_val = int(round(n * d.val_fraction)) if d.val_fraction > 0 else 0
     if d.val_fraction > 0 and n >= 2:
@@ -126,8 +206,14 @@ def build_data(cfg, tokenizer, vocab_size: int, log: Callable[[str], None] = pri
     perm = np.random.Generator(np.random.PCG64(d.split_seed)).permutation(n)
     val_idx, train_idx = np.sort(perm[:n_val]), np.sort(perm[n_val:])
     fingerprint = f"{content_digest(store)}:L{d.seq_len}:v{d.val_fraction}:s{d.split_seed}"
+    if d.packing != "eos":  # (eos adds nothing: checkpoints from before the key existed keep their identity)
+        fingerprint += f":p{d.packing}"
     desc = (f"{d.kind} data: {store.meta['num_documents']} documents, {store.meta['num_tokens']} tokens, "
             f"{len(train_idx)} train / {len(val_idx)} validation sequences of {d.seq_len} tokens")
+    if d.packing == "documents":
+        targets = seqs.count_targets(np.arange(n))
+        desc += (f" ({seqs.num_pieces} documents or pieces packed with restarting positions; "
+                 f"{targets / (n * d.seq_len):.1%} of the positions carry loss)")
     return DataSplits(Subset(seqs, train_idx), Subset(seqs, val_idx), fingerprint, store.meta["num_tokens"], desc)
 
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from tessera.errors import DataError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: document offsets for text too (data.packing=documents)
 
 
 def default_cache_dir() -> str:
@@ -55,8 +55,8 @@ def _token_dtype(vocab_size: int):
 
 
 class TokenStore:
-    """A cache entry: `tokens.bin` (all token ids), and for SFT `mask.bin` (1 = response token) and
-    `offsets.npy` (example boundaries). Opened as read-only memory maps."""
+    """A cache entry: `tokens.bin` (all token ids), `offsets.npy` (document / example boundaries) and for SFT
+    `mask.bin` (1 = response token). Opened as read-only memory maps."""
 
     def __init__(self, path: str):
         self.path = path
@@ -67,10 +67,9 @@ class TokenStore:
         self.tokens = np.memmap(os.path.join(path, "tokens.bin"), dtype=dtype, mode="r", shape=(n,)) \
             if n else np.zeros(0, dtype=dtype)
         self.mask = None
-        self.offsets = None
+        self.offsets = np.load(os.path.join(path, "offsets.npy"))
         if self.meta["kind"] == "sft":
             self.mask = np.memmap(os.path.join(path, "mask.bin"), dtype=np.uint8, mode="r", shape=(n,))
-            self.offsets = np.load(os.path.join(path, "offsets.npy"))
 
 
 def entry_damage(path: str):
@@ -82,9 +81,9 @@ def entry_damage(path: str):
         n, itemsize = int(meta["num_tokens"]), np.dtype(meta["dtype"]).itemsize
         expected = dict(meta.get("files") or {})
         expected.setdefault("tokens.bin", n * itemsize)
+        expected.setdefault("offsets.npy", None)
         if meta.get("kind") == "sft":
             expected.setdefault("mask.bin", n)
-            expected.setdefault("offsets.npy", None)
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"meta.json cannot be read: {e}"
     for name, size in expected.items():
@@ -156,9 +155,8 @@ def _write_entry(folder: str, kind: str, vocab_size: int,
             n_tokens += ids.size
             n_docs += 1
             offsets.append(n_tokens)
-    if kind == "sft":
-        np.save(os.path.join(folder, "offsets.npy"), np.asarray(offsets, dtype=np.int64))
-    else:
+    np.save(os.path.join(folder, "offsets.npy"), np.asarray(offsets, dtype=np.int64))
+    if kind != "sft":
         os.remove(os.path.join(folder, "mask.bin"))
     if n_docs == 0 or n_tokens == 0:
         raise DataError("the data source produced no tokens (no non-empty documents or records)")

@@ -14,13 +14,20 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from models.init import copy_full_tensors
+from models.packing import PackedForward
 from trainer.data.datasets import IGNORE
+
+
+PACKED_FORWARD = PackedForward()  # one per process: the first packed batch checks the model
 
 
 def token_loss_sum(model, batch: dict, precision) -> torch.Tensor:
     """Sum of next-token cross-entropies over the micro-batch's target tokens (fp32)."""
     with precision.autocast():
-        logits = model(input_ids=batch["input_ids"], use_cache=False).logits
+        if "position_ids" in batch:  # data.packing=documents: attention stays inside each packed document
+            logits = PACKED_FORWARD(model, batch["input_ids"], batch["position_ids"]).logits
+        else:
+            logits = model(input_ids=batch["input_ids"], use_cache=False).logits
     return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE,
                            reduction="sum")
 

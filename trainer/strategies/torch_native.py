@@ -114,6 +114,10 @@ class TorchNativeStrategy(Strategy):
                 problems.append(f"strategy.sequence_parallel=true with a mixture-of-experts model "
                                 f"({info.hf_config.model_type}) is not supported: its experts stay whole on every "
                                 f"tensor-parallel rank; set strategy.sequence_parallel=false")
+        if dims.pp > 1 and cfg.data.packing == "documents":
+            problems.append(f"data.packing=documents is not available with pipeline parallelism (strategy.pp="
+                            f"{dims.pp}): the stages pass hidden states only, not the packed position ids; use "
+                            f"data.packing=eos")
         if dims.pp > 1 and s.pp_schedule in SCHEDULES:
             if plans.pipeline_split(model) is None:
                 problems.append(f"strategy.pp={dims.pp}: Tessera finds no pipeline split for the "

@@ -1,0 +1,58 @@
+"""Packed documents on the model side (data.packing=documents): several documents in one sequence, position ids
+restarting at each. Hugging Face models that build their masks with `transformers.masking_utils` from the
+position ids read that as packed sequences and keep attention inside each document (block-diagonal masks for
+SDPA / eager / flex, the varlen path of flash-attention). Whether a model does is checked twice: its forward must
+take position_ids (before any process group starts), and the first forward on a packed batch must have gone
+through transformers' packed-sequence detection and found the documents; a model that ignores them would
+silently attend across documents, so that is an error.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from tessera.errors import ModelError
+
+
+def takes_position_ids(hf_config) -> bool:
+    """Whether the causal LM's forward takes position_ids (remote code: not assumed)."""
+    from models.registry import causal_lm_class
+
+    model_class = causal_lm_class(hf_config)
+    return model_class is not None and "position_ids" in inspect.signature(model_class.forward).parameters
+
+
+class PackedForward:
+    """model(input_ids, position_ids) that verifies, on its first packed batch, that the model kept the documents
+    apart."""
+
+    def __init__(self):
+        self.verified = False
+
+    def __call__(self, model, input_ids: torch.Tensor, position_ids: torch.Tensor):
+        if self.verified:
+            return model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        from transformers import masking_utils
+
+        found = []
+        detect = masking_utils.find_packed_sequence_indices
+
+        def watched(ids):
+            result = detect(ids)
+            found.append(result is not None)
+            return result
+
+        masking_utils.find_packed_sequence_indices = watched
+        try:
+            out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        finally:
+            masking_utils.find_packed_sequence_indices = detect
+        packed = bool((torch.diff(position_ids, dim=-1) != 1).any())  # some row holds two pieces
+        if packed and not any(found):
+            name = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+            raise ModelError(f"data.packing=documents: the {name} model does not read restarting position ids as "
+                             f"packed documents (its attention mask ignores them), so documents would attend to "
+                             f"each other; use data.packing=eos")
+        self.verified = packed
+        return out
