@@ -102,7 +102,7 @@ def prepare(cfg: C.TesseraConfig, run_dir: str) -> Prepared:
     rundir.claim(cfg, run_dir)  # one live job, one run per folder (trainer/rundir.py)
     prepared = Prepared(cfg, run_dir, world_size, dims, cls, tokenizer, info)
     prepared.data = build_data(cfg, tokenizer, info.vocab_size, log=log0)
-    GlobalBatchSampler(len(prepared.data.train), cfg.train.global_batch_size, cfg.train.seed)  # size check
+    prepared.data.sampler(cfg.train.global_batch_size, cfg.train.seed)  # size check
     prepared.model_shapes = registry.tensor_shapes(info)
     prepared.resume_path = _check_resume(cfg, run_dir, prepared)
     return prepared
@@ -169,7 +169,7 @@ class Run:
     run_dir: str
     strategy: object
     data: DataSplits
-    sampler: GlobalBatchSampler
+    sampler: GlobalBatchSampler  # or data.mixture.MixtureSampler: the same interface
     scheduler: object
     tokenizer: object
     model_info: registry.ModelInfo
@@ -237,7 +237,9 @@ def build(p: Prepared) -> Run:
     logger.info(f"{p.data.description}")
     logger.info(f"global batch {cfg.train.global_batch_size} = micro {cfg.train.micro_batch_size} x accumulation "
                 f"{accum} x dp {p.dims.dp_size}; {cfg.train.max_steps} steps")
-    sampler = GlobalBatchSampler(len(p.data.train), cfg.train.global_batch_size, cfg.train.seed)
+    sampler = p.data.sampler(cfg.train.global_batch_size, cfg.train.seed)
+    if p.data.tasks:
+        strategy.track_tasks(len(p.data.tasks))
     desc = f"{cfg.model.kind}:{cfg.model.name_or_path or 'preset'} {num_params / 1e6:.2f}M params"
     run = Run(cfg, p.run_dir, strategy, p.data, sampler, scheduler, p.tokenizer, p.model_info, logger, device,
               accum, num_params, model_shapes=p.model_shapes, model_desc=desc, built_param_bytes=built_param_bytes,

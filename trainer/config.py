@@ -57,6 +57,16 @@ class ModelConfig:
 
 
 @dataclass
+class MixtureSource:
+    name: str = documented("", "The task's name in metrics.jsonl and eval.jsonl (letters, digits, _ and -).")
+    kind: str = documented("text", "text (documents: text / JSON(L) / parquet) or sft (instruction records).")
+    path: Optional[str] = documented(None, "A file, folder or glob, or several separated by commas.")
+    text_field: str = documented("text", "kind=text: the field of JSON/JSONL/parquet records that holds the text.")
+    weight: Optional[float] = documented(None, "Share of every global batch (relative); null on every source: by "
+                                               "size, with data.temperature.")
+
+
+@dataclass
 class DataConfig:
     kind: str = documented("embedded", "embedded (generated in code, no files), text (local text / JSON(L) / "
                                        "parquet), hub (a hub dataset by name) or sft (instruction data).")
@@ -80,6 +90,10 @@ class DataConfig:
                                                     "own, else Tessera's documented default.")
     max_records: Optional[int] = documented(None, "Cap on documents/records read (null = all), for quick runs on "
                                                   "big data.")
+    sources: List[MixtureSource] = documented([], "kind=mixture: the tasks, [{name, kind, path, text_field, "
+                                                  "weight}, ...]; each its own data, split and loss.")
+    temperature: float = documented(1.0, "kind=mixture without weights: a source's share is proportional to its "
+                                         "sequences^(1/temperature).")
     packing: str = documented("eos", "eos: text joined by EOS and cut, one SFT example per sequence; documents: "
                                      "several per sequence, attention kept inside each.")
 
@@ -309,7 +323,7 @@ def to_object(cfg: DictConfig | TesseraConfig) -> TesseraConfig:
 
 CHOICES = {
     "model.kind": ("llama", "gpt2", "hf"),
-    "data.kind": ("embedded", "text", "hub", "sft"),
+    "data.kind": ("embedded", "text", "hub", "sft", "mixture"),
     "data.packing": ("eos", "documents"),
     "optim.name": ("adamw", "sgd"),
     "optim.implementation": ("auto", "fused", "foreach", "for_loop"),
@@ -351,6 +365,7 @@ RANGES = {
     "model.rope_theta": _positive(),
     "model.initializer_range": _positive("the init std of the preset's weights"),
     "data.seq_len": _positive(),
+    "data.temperature": _positive(),
     "data.val_fraction": _between(0, 1, hi_open=True),
     "data.split_seed": _at_least(0),
     "data.embedded_documents": _positive(),
@@ -413,6 +428,38 @@ def _finite(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+def mixture_problems(d) -> List[str]:
+    """data.kind=mixture: named sources, each with its data and a weight that is >= 0 (all set or none)."""
+    import re
+
+    if d.kind != "mixture":
+        return [f"data.sources is read with data.kind=mixture only (data.kind={d.kind}); use data=mixture"] \
+            if d.sources else []
+    if not d.sources:
+        return ["data.kind=mixture needs data.sources=[{name: ..., kind: text|sft, path: ..., weight: ...}, ...]"]
+    problems, names = [], []
+    for i, src in enumerate(d.sources):
+        key = f"data.sources[{i}]"
+        if not re.fullmatch(r"[A-Za-z0-9_-]+", src.name or ""):
+            problems.append(f"{key}.name={src.name!r} must be a name of letters, digits, _ and -")
+        elif src.name in names:
+            problems.append(f"{key}.name={src.name!r} names two sources; give each its own name")
+        names.append(src.name)
+        if src.kind not in ("text", "sft"):
+            problems.append(f"{key}.kind={src.kind!r} is not one of text, sft")
+        if not src.path:
+            problems.append(f"{key}.path must be set (a file, folder or glob)")
+        if src.weight is not None and not (_finite(src.weight) and src.weight >= 0):
+            problems.append(f"{key}.weight={src.weight} must be >= 0")
+    weights = [s.weight for s in d.sources]
+    if any(w is None for w in weights) and not all(w is None for w in weights):
+        problems.append("data.sources: set a weight on every source, or on none (then by size, with "
+                        "data.temperature)")
+    elif all(w is not None and _finite(w) for w in weights) and not sum(max(w, 0) for w in weights) > 0:
+        problems.append(f"data.sources weights {weights} sum to zero; give at least one source a weight > 0")
+    return problems
+
+
 def range_problems(cfg) -> List[str]:
     """One problem per numeric key outside its range (RANGES), each naming the key, its value and the range."""
     problems = []
@@ -451,6 +498,7 @@ def validate(cfg: TesseraConfig, world_size: int) -> List[str]:
         problems.append(f"data.path must be set for data.kind={cfg.data.kind} (a file, folder or glob)")
     if cfg.data.kind == "hub" and not cfg.data.name:
         problems.append("data.name must be set for data.kind=hub (a hub dataset id)")
+    problems += mixture_problems(cfg.data)
     if cfg.model.kind == "hf" and not cfg.model.name_or_path:
         problems.append("model.name_or_path must be set for model=hf (a local folder or a hub id)")
     if cfg.model.kind != "hf":

@@ -68,6 +68,10 @@ def fit(run) -> None:
                       "epoch": run.sampler.epoch_of(k), "skipped_steps": run.skipped_steps,
                       "peak_mem_gib": peak_memory_gib(run.device), "time": round(time.time(), 3)}
             record.update(strategy.step_metrics())
+            task_sums = strategy.task_sums()  # data.kind=mixture: each task's loss and target tokens
+            if task_sums is not None:
+                record["tasks"] = {name: {"loss": float(s / n) if n else None, "tokens": int(n)}
+                                   for name, (s, n) in zip(run.data.tasks, task_sums.tolist())}
             if strategy.counts_all_collectives:
                 record.update(comm.take() or {})
             if strategy.precision.loss_scale is not None:
@@ -115,11 +119,29 @@ def fit(run) -> None:
 
 
 def evaluate(run) -> dict:
-    """Token-weighted validation loss and perplexity over the first `eval.max_sequences` of the split."""
-    cfg, strategy, val = run.cfg, run.strategy, run.data.val
+    """Token-weighted validation loss and perplexity over the first `eval.max_sequences` of the split (of each
+    task's split, with data.kind=mixture: then also each task's validation loss)."""
+    tasks = run.data.tasks
+    per_task = [_eval_split(run, run.data.val_of_task(t)) for t in range(len(tasks))] if tasks \
+        else [_eval_split(run, run.data.val)]
+    totals = [t for t in per_task if t is not None]
+    if not totals:
+        return {}
+    val_loss = sum(t[0] for t in totals) / sum(t[1] for t in totals)
+    out = {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+    if tasks:
+        out["val_loss_by_task"] = {name: t[0] / t[1] if t is not None and t[1] else None
+                                   for name, t in zip(tasks, per_task)}
+    return out
+
+
+def _eval_split(run, val):
+    """(token-loss sum, target tokens) of the first eval.max_sequences sequences of `val` over all data-parallel
+    ranks, or None when it is empty."""
+    cfg, strategy = run.cfg, run.strategy
     n = len(val) if not cfg.eval.max_sequences else min(len(val), cfg.eval.max_sequences)
     if n == 0:
-        return {}
+        return None
     # Every data-parallel rank takes a strided share; ranks may get one sequence more than others.
     rank, size = strategy.eval_coordinates
     mine = np.arange(n)[rank::size]
@@ -130,8 +152,7 @@ def evaluate(run) -> dict:
     strategy.model.train()
     targets = torch.tensor(float(val.count_targets(mine)) if len(mine) else 0.0, device=run.device)
     totals = strategy.dp_sum(torch.stack([loss_sum.float(), targets]))
-    val_loss = (totals[0] / totals[1]).item()
-    return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+    return float(totals[0]), float(totals[1])
 
 
 def export_final(run) -> None:

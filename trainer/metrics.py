@@ -116,9 +116,8 @@ class MetricsLogger:
         _write(self.jsonl, self.metrics_path, record)
         tb = self._tb()
         if tb is not None:
-            for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
-                    tb.add_scalar(k, v, record["step"])
+            for k, v in _scalars(record):
+                tb.add_scalar(k, v, record["step"])
         if self.bar is not None:
             post = {"loss": f"{record['loss']:.4f}", "lr": f"{record['lr']:.2e}",
                     "tok/s": f"{record['tokens_per_s']:.0f}"}
@@ -263,3 +262,12 @@ class Throughput:
         out = (self.tokens / dt, self.seq_tokens / dt)
         self.t0, self.tokens, self.seq_tokens = now, 0, 0
         return out
+
+
+def _scalars(record: dict, prefix: str = ""):
+    """(name, value) of the finite numbers in a record, nested ones (per-task figures) as "tasks/name/loss"."""
+    for k, v in record.items():
+        if isinstance(v, dict):
+            yield from _scalars(v, f"{prefix}{k}/")
+        elif k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            yield prefix + k, v

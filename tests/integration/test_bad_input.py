@@ -84,6 +84,12 @@ CASES = [
      "needs CUDA devices (DeepSpeed's quantisation kernels)"),
     ("sync-hook-together", ["strategy=ddp", "sync=local_sgd", "strategy.comm_hook=bf16"], "python", 1, 2,
      "strategy.comm_hook=bf16 compresses the per-step gradient reduction, which sync=local_sgd does not run"),
+    # Multi-task mixtures and packing (refused before any process group).
+    ("mixture-weights-sum-to-zero", ["data=mixture", "data.sources=[{{name: a, path: a.txt, weight: 0}}, "
+                                     "{{name: b, path: b.txt, weight: 0}}]"], "python", 1, 2,
+     "data.sources weights [0.0, 0.0] sum to zero; give at least one source a weight > 0"),
+    ("packing-with-pipeline-parallelism", ["data.packing=documents", "strategy=pp"],
+     "torchrun-quiet", 2, 2, "data.packing=documents is not available with pipeline parallelism"),
     # Attention kernels this machine can't train with.
     ("flash-attention-on-cpu", ["model.attn_implementation=flash_attention_2", "train.device=cpu"], "python", 1, 2,
      "model.attn_implementation=flash_attention_2 needs a CUDA device"),

@@ -18,7 +18,7 @@ CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 GROUPS = {
     "model": ["tiny", "llama_10m", "llama_100m", "gpt2_10m", "gpt2_100m", "hf"],
-    "data": ["default", "text", "hub", "sft"],
+    "data": ["default", "text", "hub", "sft", "mixture"],
     "strategy": ["single", "ddp", "zero1", "zero2", "zero3", "zero3_offload", "fsdp", "hsdp", "tp", "pp",
                  "fsdp_tp", "pp_fsdp", "3d"],
     "optim": ["adamw", "sgd"],
@@ -78,6 +78,7 @@ def test_every_group_option_composes(compose, group, option):
         ("data", "default"): lambda c: c.data.kind == "embedded",
         ("data", "text"): lambda c: c.data.kind == "text" and c.data.seq_len == 512,
         ("data", "hub"): lambda c: c.data.kind == "hub",
+        ("data", "mixture"): lambda c: c.data.kind == "mixture" and c.data.sources == [],
         ("data", "sft"): lambda c: c.data.kind == "sft",
         ("strategy", "single"): lambda c: c.strategy.name == "single",
         ("strategy", "ddp"): lambda c: c.strategy.name == "ddp",
@@ -332,6 +333,7 @@ RANGE_CASES = [
     ("model.rope_theta=-1", "model.rope_theta=-1.0 must be > 0"),
     ("model.initializer_range=0", "model.initializer_range=0.0 must be > 0"),
     ("data.seq_len=0", "data.seq_len=0 must be > 0"),
+    ("data.temperature=0", "data.temperature=0.0 must be > 0"),
     ("data.val_fraction=1.0", "data.val_fraction=1.0 must be in [0, 1)"),
     ("data.val_fraction=-0.1", "data.val_fraction=-0.1 must be in [0, 1)"),
     ("data.split_seed=-1", "data.split_seed=-1 must be >= 0"),

@@ -8,6 +8,7 @@ examples) per sequence, each with position ids from 0 and attention kept inside 
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 from typing import Callable
@@ -172,10 +173,33 @@ class DataSplits:
     fingerprint: str  # identity of the tokenized data + sequence length, carried in checkpoints
     num_tokens: int
     description: str
+    tasks: tuple = ()  # data.kind=mixture: the sources' names (each batch row then carries its task index)
+
+    def sampler(self, global_batch_size: int, seed: int):
+        """The global-batch sampler over the training split (trainer/data/sampler.py)."""
+        from trainer.data.sampler import GlobalBatchSampler
+
+        return GlobalBatchSampler(len(self.train), global_batch_size, seed)
+
+    def val_of_task(self, task: int):
+        """The validation split of one mixture source (the whole split when there is one source)."""
+        return self.val
 
 
 def build_data(cfg, tokenizer, vocab_size: int, log: Callable[[str], None] = print) -> DataSplits:
     d = cfg.data
+    if d.kind == "mixture":
+        from trainer.data.mixture import build_mixture
+
+        return build_mixture(d, [_build_source(dataclasses.replace(d, kind=src.kind, path=src.path,
+                                                                   text_field=src.text_field, sources=[]),
+                                               tokenizer, vocab_size, log, where=f"data.sources[{i}] ({src.name})")
+                                 for i, src in enumerate(d.sources)])
+    return _build_source(d, tokenizer, vocab_size, log)
+
+
+def _build_source(d, tokenizer, vocab_size: int, log: Callable[[str], None], where: str = "") -> DataSplits:
+    """The sequences of one data source, tokenized (cached) and split."""
     cache_dir = d.cache_dir or default_cache_dir()
     if d.kind == "sft":
         sft.ensure_chat_template(tokenizer, d.chat_template)
@@ -192,15 +216,16 @@ def build_data(cfg, tokenizer, vocab_size: int, log: Callable[[str], None] = pri
         seqs = SFTSequences(store, d.seq_len, pad_id)
     else:
         seqs = PackedSequences(store, d.seq_len)
+    prefix = f"{where}: " if where else ""
     if getattr(seqs, "dropped", 0):
-        log(f"warning: {seqs.dropped} SFT examples have no response token within data.seq_len={d.seq_len} "
+        log(f"warning: {prefix}{seqs.dropped} SFT examples have no response token within data.seq_len={d.seq_len} "
             f"and are skipped")
     n = len(seqs)
     n_val = int(round(n * d.val_fraction)) if d.val_fraction > 0 else 0
     if d.val_fraction > 0 and n >= 2:
         n_val = max(1, n_val)
     if n - n_val < 1:
-        raise DataError(f"the data gives {n} sequence(s) of data.seq_len={d.seq_len} tokens "
+        raise DataError(f"{prefix}the data gives {n} sequence(s) of data.seq_len={d.seq_len} tokens "
                         f"({store.meta['num_tokens']} tokens in all): too few to train on; "
                         f"add data or lower data.seq_len")
     perm = np.random.Generator(np.random.PCG64(d.split_seed)).permutation(n)
@@ -214,7 +239,8 @@ def build_data(cfg, tokenizer, vocab_size: int, log: Callable[[str], None] = pri
         targets = seqs.count_targets(np.arange(n))
         desc += (f" ({seqs.num_pieces} documents or pieces packed with restarting positions; "
                  f"{targets / (n * d.seq_len):.1%} of the positions carry loss)")
-    return DataSplits(Subset(seqs, train_idx), Subset(seqs, val_idx), fingerprint, store.meta["num_tokens"], desc)
+    return DataSplits(Subset(seqs, train_idx), Subset(seqs, val_idx), fingerprint, store.meta["num_tokens"],
+                      prefix + desc)
 
 
 def content_digest(store: TokenStore, edge_bytes: int = 4 << 20) -> str:

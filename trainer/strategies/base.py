@@ -21,15 +21,34 @@ from trainer.data.datasets import IGNORE
 PACKED_FORWARD = PackedForward()  # one per process: the first packed batch checks the model
 
 
-def token_loss_sum(model, batch: dict, precision) -> torch.Tensor:
-    """Sum of next-token cross-entropies over the micro-batch's target tokens (fp32)."""
+def token_loss_sum(model, batch: dict, precision, tasks=None) -> torch.Tensor:
+    """Sum of next-token cross-entropies over the micro-batch's target tokens (fp32). With `tasks` (TaskLosses)
+    and rows that carry their task (data.kind=mixture), each row's sum is also added to its task's."""
     with precision.autocast():
         if "position_ids" in batch:  # data.packing=documents: attention stays inside each packed document
             logits = PACKED_FORWARD(model, batch["input_ids"], batch["position_ids"]).logits
         else:
             logits = model(input_ids=batch["input_ids"], use_cache=False).logits
-    return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE,
-                           reduction="sum")
+    labels = batch["labels"]
+    if tasks is None or "task" not in batch:
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+    per_token = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
+                                reduction="none").view(labels.shape)
+    tasks.add(per_token.detach().sum(1), (labels != IGNORE).sum(1), batch["task"])
+    return per_token.sum()
+
+
+class TaskLosses:
+    """Per-task token-loss sums and target-token counts of this rank's rows (data.kind=mixture), fp64."""
+
+    def __init__(self, num_tasks: int, device: torch.device):
+        self.sums = torch.zeros(num_tasks, 2, dtype=torch.float64, device=device)
+
+    def add(self, row_losses: torch.Tensor, row_tokens: torch.Tensor, task: torch.Tensor) -> None:
+        self.sums.index_add_(0, task.to(self.sums.device), torch.stack([row_losses.double(), row_tokens.double()], 1))
+
+    def reset(self) -> None:
+        self.sums.zero_()
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -73,6 +92,7 @@ class Strategy:
         self.skip_nonfinite = cfg.train.on_nonfinite == "skip"
         self.replicas = None  # torchft replica groups (strategies/replica_groups.py), attached by setup
         self.sync = None  # local SGD / DiLoCo (strategies/sync.py), attached by setup with sync != every_step
+        self.tasks = None  # TaskLosses of the step in progress (data.kind=mixture; track_tasks)
         self._step_tokens = None  # (this rank's token-loss sum, its target tokens, the global batch's) with replicas
 
     # ---- checks before any process group starts -------------------------------------------------------
@@ -257,6 +277,14 @@ class Strategy:
             return self.replicas.loss_sum / max(self.replicas.tokens, 1.0)
         return self.dp_sum(loss_sum).item() / num_target_tokens
 
+    def track_tasks(self, num_tasks: int) -> None:
+        """Keep per-task loss sums of every step (data.kind=mixture: each batch row carries its task)."""
+        self.tasks = TaskLosses(num_tasks, self.device)
+
+    def task_sums(self):
+        """[task, (token-loss sum, target tokens)] of the last step over all data-parallel ranks (fp64), or None."""
+        return None if self.tasks is None else self.dp_sum(self.tasks.sums)
+
     def step_metrics(self) -> dict:
         """Extra fields for the step's metrics record."""
         return {} if self.replicas is None else {"replica_groups": self.replicas.participants}
@@ -281,10 +309,12 @@ class Strategy:
         divided by the global count (never a mean of per-micro-batch means). Returns the local CE sum."""
         total = torch.zeros((), device=self.device)
         scale = self.sync.loss_scale() if self.sync is not None else 1.0
+        if self.tasks is not None:
+            self.tasks.reset()
         for i, batch in enumerate(micro_batches):
             batch = {k: to_device(v, self.device) for k, v in batch.items()}
             with self.accumulation_context(i == len(micro_batches) - 1):
-                ce_sum = token_loss_sum(self.model, batch, self.precision)
+                ce_sum = token_loss_sum(self.model, batch, self.precision, self.tasks)
                 # a local-SGD / DiLoCo worker's gradient stands for all the workers' (strategies/sync.py)
                 self.backward(ce_sum / num_target_tokens if scale == 1.0 else ce_sum * scale / num_target_tokens)
             total += ce_sum.detach()

@@ -336,9 +336,11 @@ class DeepSpeedStrategy(Strategy):
 
     def forward_backward(self, micro_batches, num_target_tokens: int) -> torch.Tensor:
         total = torch.zeros((), device=self.device)
+        if self.tasks is not None:
+            self.tasks.reset()
         for i, batch in enumerate(micro_batches):
             batch = {k: to_device(v, self.device) for k, v in batch.items()}
-            ce_sum = token_loss_sum(self.engine, batch, self.precision)
+            ce_sum = token_loss_sum(self.engine, batch, self.precision, self.tasks)
             # x dp: DeepSpeed averages over the data-parallel ranks; scale_wrt_gas=False: no 1/accumulation.
             self.engine.backward(ce_sum * (self.dp_size / num_target_tokens), scale_wrt_gas=False)
             if self._snap_backward_end is not None and i == len(micro_batches) - 1:

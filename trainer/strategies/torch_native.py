@@ -118,6 +118,9 @@ class TorchNativeStrategy(Strategy):
             problems.append(f"data.packing=documents is not available with pipeline parallelism (strategy.pp="
                             f"{dims.pp}): the stages pass hidden states only, not the packed position ids; use "
                             f"data.packing=eos")
+        if dims.pp > 1 and cfg.data.kind == "mixture":
+            problems.append(f"data.kind=mixture is not available with pipeline parallelism (strategy.pp={dims.pp}): "
+                            f"the last stage's loss does not see the rows' tasks; use strategy.pp=1")
         if dims.pp > 1 and s.pp_schedule in SCHEDULES:
             if plans.pipeline_split(model) is None:
                 problems.append(f"strategy.pp={dims.pp}: Tessera finds no pipeline split for the "
