@@ -30,6 +30,7 @@ from trainer.metrics import MetricsLogger
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.precision import Precision
 from trainer.preemption import StopRequest
+from trainer.snapshots import Snapshots
 from trainer.strategies import STRATEGIES, strategy_class
 
 
@@ -185,6 +186,8 @@ class Run:
     stop: Optional[StopRequest] = None
     stopped_by: str = ""
     watchdog: object = field(default_factory=watchdog.Unwatched)  # trainer/watchdog.py: progress, heartbeats
+    # export.snapshot_every (trainer/snapshots.py); off unless build() sets it from the config
+    snapshots: Snapshots = field(default_factory=lambda: Snapshots("", 0, 2, writes=False))
 
     # The loop's counters live in `progress` (the checkpoint manager's collaborator); the run reads as before.
     step = property(lambda self: self.progress.step, lambda self, v: setattr(self.progress, "step", v))
@@ -265,6 +268,7 @@ def build(p: Prepared) -> Run:
     if cfg.checkpoint.resume != "none":
         logger.resume(run.step)  # drop what a killed attempt logged after the checkpoint
     run.stop = StopRequest()
+    run.snapshots = Snapshots(p.run_dir, cfg.export.snapshot_every, cfg.export.snapshot_keep, writes=is0)
     return run
 
 

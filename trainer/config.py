@@ -282,6 +282,10 @@ class ExportConfig:
     hf_at_end: bool = documented(True, "Write the final model to <run dir>/hf/ as a Hugging Face folder.")
     dtype: str = documented("fp32", "dtype of exported weights (hf/ and python -m trainer.export): fp32, bf16 or "
                                     "fp16, cast from the fp32 master weights.")
+    snapshot_every: int = documented(0, "Every N steps a Hugging Face snapshot in <run dir>/snapshots/step_N and "
+                                        "the symlink snapshots/current switched to it; 0 = off.")
+    snapshot_keep: int = documented(2, "Snapshots kept (the newest); at least 2, so a reader of current never "
+                                       "loses its folder while it loads.")
 
 
 @dataclass
@@ -366,6 +370,8 @@ RANGES = {
     "model.initializer_range": _positive("the init std of the preset's weights"),
     "data.seq_len": _positive(),
     "data.temperature": _positive(),
+    "export.snapshot_every": _at_least(0, "0 = off"),
+    "export.snapshot_keep": _at_least(2),
     "data.val_fraction": _between(0, 1, hi_open=True),
     "data.split_seed": _at_least(0),
     "data.embedded_documents": _positive(),

@@ -107,6 +107,11 @@ def fit(run) -> None:
             guard.check(run.step)  # only finite weights are ever saved
         with run.watchdog.exempt("checkpoint save"):
             run.checkpointer.maybe_save(run.step)  # a save's wait is reported by the checkpointer, not in tokens/s
+        if run.snapshots.due(run.step):  # export.snapshot_every: a served model follows the training
+            guard.check(run.step)
+            with run.watchdog.exempt("snapshot"):
+                strategy.export_hf(run.snapshots.folder(run.step), run.tokenizer)
+                run.snapshots.publish(run.step)
         throughput.exclude(time.perf_counter() - t_aside)
     guard.check(run.step)
     with run.watchdog.exempt("checkpoint save"):

@@ -50,7 +50,7 @@ class RunDirError(TesseraError):
 
 def leftovers(run_dir: str) -> List[str]:
     """The files of an earlier run in `run_dir` (relative names): checkpoints (complete or partial), non-empty
-    metrics/eval logs, an exported model."""
+    metrics/eval logs, an exported model, snapshots."""
     found = []
     root = os.path.join(run_dir, "checkpoints")
     if os.path.isdir(root):
@@ -62,9 +62,10 @@ def leftovers(run_dir: str) -> List[str]:
                 found.append(name)
         except OSError:
             pass
-    hf = os.path.join(run_dir, "hf")
-    if os.path.isdir(hf) and os.listdir(hf):
-        found.append("hf/")
+    for name in ("hf", "snapshots"):  # an exported model, live snapshots (export.snapshot_every)
+        folder = os.path.join(run_dir, name)
+        if os.path.isdir(folder) and os.listdir(folder):
+            found.append(f"{name}/")
     return found
 
 

@@ -334,6 +334,8 @@ RANGE_CASES = [
     ("model.initializer_range=0", "model.initializer_range=0.0 must be > 0"),
     ("data.seq_len=0", "data.seq_len=0 must be > 0"),
     ("data.temperature=0", "data.temperature=0.0 must be > 0"),
+    ("export.snapshot_every=-1", "export.snapshot_every=-1 must be >= 0 (0 = off)"),
+    ("export.snapshot_keep=1", "export.snapshot_keep=1 must be >= 2"),
     ("data.val_fraction=1.0", "data.val_fraction=1.0 must be in [0, 1)"),
     ("data.val_fraction=-0.1", "data.val_fraction=-0.1 must be in [0, 1)"),
     ("data.split_seed=-1", "data.split_seed=-1 must be >= 0"),

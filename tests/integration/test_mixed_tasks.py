@@ -1,5 +1,5 @@
 """data.kind=mixture end to end: a text source and an SFT source mixed by weight. Per-task losses and tokens in
-metrics.jsonl add up to the step's, per-task validation losses in eval.jsonl, the same numbers on ddp and ZeRO-2
+metrics.jsonl add up to the step's, per-task validation losses in eval.jsonl, the same numbers on 2 ranks of ZeRO-2
 as on one process, and a resumed run continues exactly (real processes, gloo)."""
 from __future__ import annotations
 
@@ -46,7 +46,8 @@ def test_per_task_losses_and_tokens_add_up_to_the_step(single):
         assert min(e["val_loss_by_task"].values()) <= e["val_loss"] <= max(e["val_loss_by_task"].values())
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+# zero2: DeepSpeed's own forward/backward path; the single-process reference runs the torch-native one
+@pytest.mark.parametrize("strategy", ["zero2"])
 def test_mixed_batches_train_the_same_on_every_layout(generated_data, single, tmp_path, strategy):
     launcher = "deepspeed" if strategy.startswith("zero") else "torchrun"
     ok(launch(launcher, _overrides(generated_data) + [f"strategy={strategy}"], tmp_path, nproc=2))
