@@ -73,8 +73,10 @@ class CommCounter:
     def counted(self, fn, kind: str, arg: str):
         """`fn` counting the bytes of its argument `arg` (or of its result, arg "*") as `kind`."""
         index = None
+        names = list(inspect.signature(fn).parameters)
         if arg != "*":
-            index = list(inspect.signature(fn).parameters).index(arg)
+            index = names.index(arg)
+        group_index = names.index("group") if "group" in names else None
         local = self._local
 
         @functools.wraps(fn)
@@ -86,12 +88,29 @@ class CommCounter:
                 out = fn(*args, **kwargs)
             finally:
                 local.inside = False
+            if group_index is not None:
+                group = args[group_index] if len(args) > group_index else kwargs.get("group")
+                if _single_rank(group):  # a collective among one rank hands nothing over
+                    return out
             value = out if index is None else (args[index] if len(args) > index else kwargs.get(arg))
             self.add(kind, tensor_bytes(value))
             return out
 
         wrapper.tessera_counted = fn
         return wrapper
+
+
+def _single_rank(group) -> bool:
+    """Whether a torch.distributed group (None: the default one) has one rank; False when that can't be told
+    (no process group, or another kind of group argument: a functional collective's mesh)."""
+    import torch.distributed as dist
+
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        return False
+    try:
+        return dist.get_world_size(group) == 1
+    except (RuntimeError, ValueError):
+        return False
 
 
 def tensor_bytes(value) -> int:

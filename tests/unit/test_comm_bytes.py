@@ -33,3 +33,15 @@ def test_counts_the_named_argument_or_the_result_once_per_outer_call_and_only_in
     assert counter.take() == {"comm_bytes": (40 + 320 + 12 + 80) // 2,
                               "comm_bytes_by_kind": {"all_gather": 332 // 2, "all_reduce": 120 // 2}}
     assert counter.take() is None
+
+
+def test_a_collective_among_one_rank_counts_nothing(one_rank_group):
+    """A single-process ddp run reduces its gradient over a group of one: no bytes leave the rank."""
+    import torch.distributed as dist
+
+    counter = CommCounter()
+    counted = counter.counted(dist.all_reduce, "all_reduce", "tensor")
+    with counter.window():
+        counted(torch.ones(10))
+        counted(torch.ones(10), group=dist.group.WORLD)
+    assert counter.take() == {"comm_bytes": 0, "comm_bytes_by_kind": {}}

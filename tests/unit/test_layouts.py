@@ -3,7 +3,6 @@ type (DTensor parameters and torch's fused SGD), the fp64 gradient norm, per-lay
 pipeline stage, derived pipeline splits, and tensor-parallel plan refusals reported before any process group."""
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
@@ -11,20 +10,6 @@ import torch.distributed as dist
 
 from tests.conftest import compose_config
 from tessera.errors import ConfigError
-
-
-@pytest.fixture(scope="module")
-def one_rank_group():
-    """A one-rank gloo group in this process (DTensors need a mesh)."""
-    if dist.is_initialized():
-        yield
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _dtensor_params(n=3):
