@@ -25,8 +25,10 @@ class Snapshots:
             for name in os.listdir(self.root):  # what an interrupted run left half-written
                 if name.endswith(".tmp"):
                     path = os.path.join(self.root, name)
-                    shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) and not os.path.islink(path) \
-                        else os.remove(path)
+                    if os.path.isdir(path) and not os.path.islink(path):
+                        shutil.rmtree(path, ignore_errors=True)
+                    else:
+                        os.remove(path)
 
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0

@@ -114,12 +114,12 @@ def test_unwritable_folder_is_a_fault_naming_the_file(tmp_path):
 # ---- another run in the folder ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("entry", ["checkpoints/step_4", "checkpoints/.tmp-step_6", "metrics.jsonl", "eval.jsonl",
-                                   "hf/"])
+                                   "hf/", "snapshots/"])
 def test_any_trace_of_another_run_is_found(tmp_path, entry):
     target = tmp_path / entry.rstrip("/")
-    if entry.startswith("checkpoints") or entry == "hf/":
+    if entry.startswith("checkpoints") or entry in ("hf/", "snapshots/"):
         target.mkdir(parents=True)
-        if entry == "hf/":
+        if entry in ("hf/", "snapshots/"):
             (target / "config.json").write_text("{}")
     else:
         target.write_text('{"step": 1}\n')

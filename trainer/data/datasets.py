@@ -181,10 +181,6 @@ class DataSplits:
 
         return GlobalBatchSampler(len(self.train), global_batch_size, seed)
 
-    def val_of_task(self, task: int):
-        """The validation split of one mixture source (the whole split when there is one source)."""
-        return self.val
-
 
 def build_data(cfg, tokenizer, vocab_size: int, log: Callable[[str], None] = print) -> DataSplits:
     d = cfg.data

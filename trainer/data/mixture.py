@@ -42,8 +42,10 @@ class MixtureSequences:
 
     def get(self, indices) -> dict:
         indices, task = self._split(indices)
-        rows = [self.parts[t].get([i - self.offsets[t]]) for i, t in zip(indices.tolist(), task.tolist())]
-        batch = {key: torch.cat([r[key] for r in rows]) for key in rows[0]}
+        order = np.argsort(task, kind="stable")  # the rows grouped by source: one read from each
+        parts = [self.parts[t].get(indices[task == t] - self.offsets[t]) for t in np.unique(task)]
+        back = torch.from_numpy(np.argsort(order))  # and back into the batch's order
+        batch = {key: torch.cat([p[key] for p in parts])[back] for key in parts[0]}
         batch["task"] = torch.from_numpy(task)
         return batch
 
@@ -69,6 +71,7 @@ class MixtureSampler:
                             f"lower train.global_batch_size")
         self.batches_per_epoch = max(1, self.n // global_batch_size)
         self._perms = {}
+        self._last = (None, None)  # (k, global batch k): the loop asks for a batch, then for its micro-batches
 
     # ---- the order: the first J sequences of the weighted sequence, per source ---------------------------------
     def _time(self, i: int, j: int) -> float:
@@ -106,9 +109,11 @@ class MixtureSampler:
         return int(self._perms[i, epoch][at])
 
     def global_batch(self, k: int) -> np.ndarray:
-        lo, hi = self.counts(k * self.gbs), self.counts((k + 1) * self.gbs)
-        items = sorted((self._time(i, j), i, j) for i in self.active for j in range(lo[i], hi[i]))
-        return np.asarray([self.offsets[i] + self._local(i, j) for _, i, j in items], dtype=np.int64)
+        if self._last[0] != k:
+            lo, hi = self.counts(k * self.gbs), self.counts((k + 1) * self.gbs)
+            items = sorted((self._time(i, j), i, j) for i in self.active for j in range(lo[i], hi[i]))
+            self._last = (k, np.asarray([self.offsets[i] + self._local(i, j) for _, i, j in items], dtype=np.int64))
+        return self._last[1]
 
     def epoch_of(self, k: int) -> int:
         return k // self.batches_per_epoch

@@ -551,8 +551,7 @@ class TorchNativeStrategy(Strategy):
         if anchor:
             est.notes.append(f"sync={cfg.sync.name}: the fp32 anchor and outer state beside each worker's shards")
         if s.cpu_offload:
-            est.host_params = est.params + est.grads + est.optimizer + est.master_params
-            est.master_params = 0
+            est.host_params = est.params + est.grads + est.optimizer
             est.params = est.grads = est.optimizer = 0
         est.host_load = 4 * max(block, counts.first, counts.last) * 2
         est.notes.append(f"parameters on the meta device until sharded; fp32 shards over {shard} rank(s)"
