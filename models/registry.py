@@ -259,12 +259,14 @@ def model_problems(cfg, info: ModelInfo, tokenizer) -> list:
 
 
 def build(m, info: ModelInfo, seed: int | None = None, device: torch.device | str | None = None,
-          dtype=torch.float32, load_weights: bool = True):
+          dtype=torch.float32, load_weights: bool = True, quantization: str = "none", quantize_on=None):
     """Build the model in the caller's construction context (plain, meta device, DeepSpeed's partitioned init).
     Pretrained: weights from `name_or_path`. Presets with `seed`: the seeded initial weights of models/init.py,
     identical whatever the strategy, world size or device; without `seed` whatever construction leaves, for a
     strategy to write the seeded weights into its own layout. `load_weights=False`: a pretrained model's
-    architecture only (its weights are then read with `pretrained_weights`). The global RNG is left as it was."""
+    architecture only (its weights are then read with `pretrained_weights`). `quantization=nf4` (QLoRA): the
+    pretrained linear layers are held in 4 bits by bitsandbytes, quantized as they load onto `quantize_on`. The
+    global RNG is left as it was."""
     from transformers import AutoModelForCausalLM
 
     from models.init import copy_full_tensors, initial_weights
@@ -273,6 +275,14 @@ def build(m, info: ModelInfo, seed: int | None = None, device: torch.device | st
     kwargs = {}
     if m.attn_implementation:
         kwargs["attn_implementation"] = m.attn_implementation
+    if quantization == "nf4":
+        from transformers import BitsAndBytesConfig
+
+        # the adapters and every unquantized module compute in fp32 (autocast lowers them under bf16 / fp16)
+        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                           bnb_4bit_use_double_quant=True,
+                                                           bnb_4bit_compute_dtype=torch.float32)
+        kwargs["device_map"] = {"": str(quantize_on or "cpu")}
     if spec.pretrained and load_weights:
         try:
             model = AutoModelForCausalLM.from_pretrained(

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from models import registry
+from models import lora, registry
 from models.init import initial_weights
 from trainer import checkpoint as ckpt
 from trainer import config as C
@@ -52,6 +52,7 @@ class Prepared:
     resume_path: Optional[str] = None
     resume_fallbacks: list = field(default_factory=list)
     model_shapes: Optional[dict] = None
+    peft: Optional[dict] = None  # the adapters' summary (peft=lora), which a checkpoint records
 
 
 def check(cfg: C.TesseraConfig, world_size: int):
@@ -75,6 +76,7 @@ def check(cfg: C.TesseraConfig, world_size: int):
             tokenizer = registry.load_tokenizer(cfg.model)
             info = registry.describe(cfg.model, tokenizer)
             problems += registry.model_problems(cfg, info, tokenizer)
+            problems += lora.model_problems(cfg, info.hf_config)
             if cls is not None and dims is not None:
                 problems += cls.model_problems(cfg, info, dims)
         except ModelError as e:
@@ -104,7 +106,9 @@ def prepare(cfg: C.TesseraConfig, run_dir: str) -> Prepared:
     prepared = Prepared(cfg, run_dir, world_size, dims, cls, tokenizer, info)
     prepared.data = build_data(cfg, tokenizer, info.vocab_size, log=log0)
     prepared.data.sampler(cfg.train.global_batch_size, cfg.train.seed)  # size check
-    prepared.model_shapes = registry.tensor_shapes(info)
+    model = lora.meta_adapted(info.hf_config, cfg.peft)
+    prepared.model_shapes = {k: list(v.shape) for k, v in model.state_dict().items()}
+    prepared.peft = lora.Adapters(model).summary() if cfg.peft.name != "none" else None
     prepared.resume_path = _check_resume(cfg, run_dir, prepared)
     return prepared
 
@@ -140,7 +144,7 @@ def _check_resume(cfg, run_dir: str, p: Prepared) -> Optional[str]:
             continue
         problems = ckpt.compatibility_problems(meta, cfg, p.model_shapes, p.data.fingerprint,
                                                cfg.checkpoint.load_weights_only, p.strategy_cls.checkpoint_format,
-                                               p.dims.dp_size)
+                                               p.dims.dp_size, peft=p.peft)
         if not cfg.checkpoint.load_weights_only:
             problems += resume_policy.refusals(path, cfg, p.model_info.hf_config)
         if problems:
@@ -216,7 +220,11 @@ def build(p: Prepared) -> Run:
     strategy.run_dir = p.run_dir
     pretrained = registry.get_spec(cfg.model.kind).pretrained
     with strategy.model_construction(pretrained=pretrained):
-        model = registry.build(cfg.model, p.model_info, load_weights=not strategy.loads_pretrained_weights)
+        model = registry.build(cfg.model, p.model_info, load_weights=not strategy.loads_pretrained_weights,
+                               quantization=cfg.peft.quantization, quantize_on=device)
+    # LoRA goes in before any parallelism: every strategy then wraps the adapted model as it would the model
+    adapters = lora.inject(model, cfg.peft, cfg.model.name_or_path) if cfg.peft.name != "none" else None
+    strategy.adapters = adapters
     num_params = registry.count_parameters(model)
     # memory.json only: ZeRO-3 / FSDP hold their part only
     built_param_bytes = strategy.built_parameter_bytes(model) if cfg.logging.memory_report else 0
@@ -225,6 +233,10 @@ def build(p: Prepared) -> Run:
         initial = initial_weights(p.model_info.hf_config, cfg.train.seed)
     else:
         initial = registry.pretrained_weights(cfg.model, model) if strategy.loads_pretrained_weights else None
+    if adapters is not None:  # the base's tensors under the adapted names, then the adapters' initial values
+        values = adapters.initial_values(cfg.train.seed, cfg.peft.adapter)
+        initial = adapters.pretrained(initial, values) if hasattr(initial, "read") else \
+            adapters.initial_units(initial, values)
     strategy.setup(model, lambda named: build_optimizer(cfg, named), initial)
     scheduler = build_scheduler(cfg, strategy.optimizer)
     is0 = rank == 0
@@ -237,6 +249,9 @@ def build(p: Prepared) -> Run:
     logger.info(f"model {cfg.model.kind} {cfg.model.name_or_path or ''} {num_params / 1e6:.2f}M params | "
                 f"strategy {cfg.strategy.name} world {p.world_size} (dp {p.dims.dp_size}) | device {device} | "
                 f"precision {cfg.precision.name}")
+    if adapters is not None:
+        logger.info(adapters.describe() + (f", from {cfg.peft.adapter}" if cfg.peft.adapter else "")
+                    + (", base in 4 bits (nf4)" if cfg.peft.quantization == "nf4" else ""))
     logger.info(f"{p.data.description}")
     logger.info(f"global batch {cfg.train.global_batch_size} = micro {cfg.train.micro_batch_size} x accumulation "
                 f"{accum} x dp {p.dims.dp_size}; {cfg.train.max_steps} steps")
@@ -247,7 +262,7 @@ def build(p: Prepared) -> Run:
     run = Run(cfg, p.run_dir, strategy, p.data, sampler, scheduler, p.tokenizer, p.model_info, logger, device,
               accum, num_params, model_shapes=p.model_shapes, model_desc=desc, built_param_bytes=built_param_bytes,
               watchdog=watch)
-    identity = ckpt.RunIdentity(cfg, p.data.fingerprint, p.model_shapes, desc, p.tokenizer)
+    identity = ckpt.RunIdentity(cfg, p.data.fingerprint, p.model_shapes, desc, p.tokenizer, p.peft)
     # A replica group that recovers from a live one (torchft) copies the schedule and the counters with the weights,
     # once the live group's identity shows that it trains the same run (the checks of a resume).
     strategy.share_state("identity", lambda: ckpt.identity_meta(identity, strategy),

@@ -143,9 +143,22 @@ WEIGHTS_ONLY_HINT = " (or set checkpoint.load_weights_only=true to start a new r
 
 def compatibility_problems(meta: dict, cfg, model_shapes: Dict[str, list], data_fingerprint: str,
                            weights_only: bool, checkpoint_format: str = "dcp", dp_size: int = 1,
-                           hint: str = WEIGHTS_ONLY_HINT) -> List[str]:
+                           hint: str = WEIGHTS_ONLY_HINT, peft: Optional[dict] = None) -> List[str]:
     """What makes a checkpoint unusable for this run, each naming the mismatch (`hint`: how to start from its
-    weights instead)."""
+    weights instead; `peft`: this run's adapters, models.lora.Adapters.summary)."""
+    saved_peft = meta.get("peft")
+    if saved_peft != peft:
+        if not saved_peft or not peft:
+            what = (f"LoRA adapters only (r={saved_peft['r']})" if saved_peft else "the whole model")
+            fix = ("set peft=lora with the run's peft.* values" if saved_peft else
+                   "export it (python -m trainer.export <checkpoint> <folder>) and start from model=hf "
+                   "model.name_or_path=<folder> peft=lora")
+            return [f"the checkpoint holds {what} and this run trains "
+                    f"{'LoRA adapters' if peft else 'the whole model'}: {fix}"]
+        diff = [k for k in peft if peft[k] != saved_peft.get(k)]
+        return [f"the checkpoint's LoRA adapters differ from this run's in {', '.join(diff)} (checkpoint: "
+                + ", ".join(f"{k}={saved_peft.get(k)}" for k in diff if k != "modules")
+                + "); set peft.* as the run that saved it had them"]
     problems = []
     saved = meta.get("model_shapes", {})
     missing = sorted(set(saved) - set(model_shapes))
@@ -187,13 +200,13 @@ def identity_meta(identity, strategy) -> dict:
     return {"optim_name": cfg.optim.name, "global_batch_size": cfg.train.global_batch_size,
             "data_fingerprint": identity.data_fingerprint, "model_shapes": identity.model_shapes,
             "model_desc": identity.model_desc, "strategy": cfg.strategy.name,
-            "checkpoint_format": strategy.checkpoint_format}
+            "checkpoint_format": strategy.checkpoint_format, "peft": identity.peft}
 
 
 def check_peer_identity(meta: dict, identity, strategy) -> None:
     """A replica group may take a live group's state only where it could resume that group's checkpoint."""
     problems = compatibility_problems(meta, identity.cfg, identity.model_shapes, identity.data_fingerprint, False,
-                                      strategy.checkpoint_format, hint="")
+                                      strategy.checkpoint_format, hint="", peft=identity.peft)
     if problems:
         raise CheckpointError("this replica group cannot take the live groups' state (they train another run):\n"
                               + "\n".join(f"  - {x}" for x in problems))
@@ -335,6 +348,7 @@ class RunIdentity:
     model_shapes: Dict[str, list]
     model_desc: str
     tokenizer: object  # saved beside the model's config (hf_config/) for `python -m trainer.export`
+    peft: Optional[dict] = None  # peft=lora: the adapters (models.lora.Adapters.summary); the checkpoint holds them
 
 
 def _save_failure(e: BaseException, folder: str) -> str:
@@ -509,6 +523,8 @@ class CheckpointManager:
         hf_dir = os.path.join(tmp, "hf_config")
         strategy.unwrapped().config.save_pretrained(hf_dir)
         identity.tokenizer.save_pretrained(hf_dir)
+        if strategy.adapters is not None:  # adapter_config.json: `python -m trainer.export` writes the adapter
+            strategy.adapters.config.save_pretrained(hf_dir)
 
     # ---- loading ------------------------------------------------------------------------------------------
     def damaged(self, path: str) -> List[str]:

@@ -289,6 +289,25 @@ class ExportConfig:
 
 
 @dataclass
+class PeftConfig:
+    # README "Fine-tuning with LoRA": models/lora.py injects peft's LoRA layers before any parallelism applies.
+    name: str = documented("none", "none (every parameter trains) or lora (peft's low-rank adapters; the base "
+                                   "model stays frozen).")
+    r: int = documented(16, "lora: rank of each adapter.")
+    alpha: float = documented(32.0, "lora: scaling numerator; an adapter's update is scaled by alpha / r.")
+    dropout: float = documented(0.0, "lora: dropout on each adapter's input.")
+    target_modules: List[str] = documented(["all-linear"], "lora: module names (or name suffixes) that get "
+                                                           "adapters; all-linear = every linear layer but the "
+                                                           "output head.")
+    modules_to_save: List[str] = documented([], "lora: modules trained fully beside the adapters (e.g. "
+                                                "embed_tokens after adding tokens); saved with the adapter.")
+    adapter: Optional[str] = documented(None, "lora: a PEFT adapter folder (adapter_config.json + weights) to "
+                                              "start from; its r, alpha, targets replace peft.*'s.")
+    quantization: str = documented("none", "lora: none, or nf4 (QLoRA: the base held in 4 bits by bitsandbytes; "
+                                           "model=hf with strategy=single or ddp).")
+
+
+@dataclass
 class TesseraConfig:
     model: ModelConfig = section(ModelConfig, "The model: a preset built from this config, or a pretrained "
                                               "Hugging Face causal LM (model=hf).")
@@ -305,6 +324,8 @@ class TesseraConfig:
     checkpoint: CheckpointConfig = section(CheckpointConfig, "Saving, keeping and resuming checkpoints.")
     logging: LoggingConfig = section(LoggingConfig, "Console, TensorBoard, MFU and memory reporting.")
     export: ExportConfig = section(ExportConfig, "The Hugging Face export of the final model.")
+    peft: PeftConfig = section(PeftConfig, "Parameter-efficient fine-tuning: LoRA adapters on a frozen base "
+                                           "(QLoRA with a 4-bit base).")
 
 
 def schema_fields() -> List[Tuple[str, Field]]:
@@ -339,6 +360,8 @@ CHOICES = {
     "strategy.fault_tolerance": ("none", "torchft"),
     "strategy.comm_hook": ("none", "bf16", "fp16", "powersgd"),
     "sync.name": ("every_step", "local_sgd", "diloco"),
+    "peft.name": ("none", "lora"),
+    "peft.quantization": ("none", "nf4"),
 }
 
 
@@ -417,6 +440,9 @@ RANGES = {
     "checkpoint.every": _at_least(0, "0: no periodic checkpoints"),
     "checkpoint.keep_last": _at_least(0, "0 keeps every checkpoint"),
     "logging.peak_tflops": _positive("TFLOP/s; null = detected"),
+    "peft.r": _positive(),
+    "peft.alpha": _positive(),
+    "peft.dropout": _between(0, 1, hi_open=True),
 }
 
 # Numeric keys whose range is checked next to the rules they belong to.
@@ -432,6 +458,26 @@ RANGE_CHECKED_ELSEWHERE = {
 
 def _finite(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def peft_problems(cfg) -> List[str]:
+    """peft.* keys that only peft=lora reads, and QLoRA's own conditions (the model's are in models/lora.py)."""
+    p = cfg.peft
+    if p.name == "none":
+        defaults = PeftConfig()
+        set_keys = [f"peft.{k}" for k in ("adapter", "quantization", "modules_to_save")
+                    if getattr(p, k) != getattr(defaults, k)]
+        return [f"{', '.join(set_keys)} {'is' if len(set_keys) == 1 else 'are'} read with peft=lora only; add "
+                f"peft=lora"] if set_keys else []
+    problems = []
+    if not p.target_modules:
+        problems.append("peft.target_modules is empty; name the modules that get adapters (or all-linear)")
+    if p.adapter is not None and not os.path.isfile(os.path.join(p.adapter, "adapter_config.json")):
+        problems.append(f"peft.adapter={p.adapter!r} is not a PEFT adapter folder (no adapter_config.json in it)")
+    if p.quantization == "nf4" and cfg.model.kind != "hf":
+        problems.append(f"peft.quantization=nf4 quantizes a pretrained base: use model=hf (model.kind="
+                        f"{cfg.model.kind} is a preset with random weights)")
+    return problems
 
 
 def mixture_problems(d) -> List[str]:
@@ -505,6 +551,7 @@ def validate(cfg: TesseraConfig, world_size: int) -> List[str]:
     if cfg.data.kind == "hub" and not cfg.data.name:
         problems.append("data.name must be set for data.kind=hub (a hub dataset id)")
     problems += mixture_problems(cfg.data)
+    problems += peft_problems(cfg)
     if cfg.model.kind == "hf" and not cfg.model.name_or_path:
         problems.append("model.name_or_path must be set for model=hf (a local folder or a hub id)")
     if cfg.model.kind != "hf":

@@ -71,7 +71,7 @@ def write_hf_folder_streaming(config, tokenizer, out_dir: str, named_tensors, wr
     if written is not None:
         _stamp_config_dtype(tmp, written)
     tokenizer.save_pretrained(tmp)
-    _replace_folder(tmp, out_dir)
+    replace_folder(tmp, out_dir)
 
 
 def raise_non_finite(names) -> None:
@@ -110,7 +110,7 @@ def write_hf_folder(model, tokenizer, out_dir: str, state_dict=None, dtype=None)
     if cast_to is not None:
         _stamp_config_dtype(tmp, cast_to)
     tokenizer.save_pretrained(tmp)
-    _replace_folder(tmp, out_dir)
+    replace_folder(tmp, out_dir)
 
 
 def _export_torch_dtype(dtype):
@@ -136,7 +136,7 @@ def _stamp_config_dtype(folder: str, dtype: torch.dtype) -> None:
         fh.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def _replace_folder(tmp: str, out_dir: str) -> None:
+def replace_folder(tmp: str, out_dir: str) -> None:
     """Move a finished folder into place: an earlier export stays whole until the new one is complete."""
     old = out_dir + ".old"
     if os.path.exists(out_dir):
@@ -144,3 +144,29 @@ def _replace_folder(tmp: str, out_dir: str) -> None:
         os.rename(out_dir, old)
     os.rename(tmp, out_dir)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def write_adapter_folder(adapters, folder: str, tensors: dict, base_name_or_path) -> None:
+    """A PEFT adapter folder (adapter_config.json + adapter_model.safetensors, as PeftModel.save_pretrained
+    writes it) of `adapters` (models.lora.Adapters) with `tensors` under PEFT's keys; atomic like write_hf_folder."""
+    import copy
+
+    from safetensors.torch import save_file
+
+    from models.lora import ADAPTER_WEIGHTS
+
+    bad = [k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:
+        raise_non_finite(bad)
+    folder = os.path.abspath(folder)
+    tmp = folder + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    save_file({k: v.contiguous() for k, v in sorted(tensors.items())}, os.path.join(tmp, ADAPTER_WEIGHTS),
+              metadata={"format": "pt"})
+    config = copy.deepcopy(adapters.config)
+    config.inference_mode = True
+    config.base_model_name_or_path = base_name_or_path
+    config.target_modules = sorted(adapters.layers)
+    config.save_pretrained(tmp)
+    replace_folder(tmp, folder)

@@ -164,5 +164,6 @@ def export_final(run) -> None:
     if run.cfg.export.hf_at_end and not run.stopped_by:
         out = os.path.join(run.run_dir, "hf")
         with run.watchdog.exempt("export"):
-            run.strategy.export_hf(out, run.tokenizer)
-        run.logger.info(f"exported the model to {out}")
+            # peft=lora: the merged model in hf/, the adapter alone in hf-adapter/
+            written = run.strategy.export_hf(out, run.tokenizer, adapter_dir=os.path.join(run.run_dir, "hf-adapter"))
+        run.logger.info(f"exported the model to {' and '.join(written)}")

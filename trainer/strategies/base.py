@@ -3,11 +3,12 @@ step, gradient-norm computation and state/export specifics. The training loop ta
 """
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import sys
 from contextlib import nullcontext
-from typing import ClassVar, FrozenSet, List
+from typing import ClassVar, FrozenSet, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -84,6 +85,9 @@ class Strategy:
     periodic_sync: ClassVar[bool] = False
     # Whether trainer/comm_bytes.py sees every collective of a step (metrics.jsonl gets comm_bytes only then).
     counts_all_collectives: bool = True
+    # peft.quantization=nf4 (QLoRA): bitsandbytes' 4-bit layers cannot be sharded or split, so only strategies that
+    # hold the whole model on each rank take them.
+    holds_whole_model: ClassVar[bool] = False
 
     def __init__(self, cfg, dims, device: torch.device, precision):
         self.cfg, self.dims, self.device, self.precision = cfg, dims, device, precision
@@ -93,6 +97,7 @@ class Strategy:
         self.replicas = None  # torchft replica groups (strategies/replica_groups.py), attached by setup
         self.sync = None  # local SGD / DiLoCo (strategies/sync.py), attached by setup with sync != every_step
         self.tasks = None  # TaskLosses of the step in progress (data.kind=mixture; track_tasks)
+        self.adapters = None  # peft=lora: models.lora.Adapters of the model (set before setup)
         self._step_tokens = None  # (this rank's token-loss sum, its target tokens, the global batch's) with replicas
 
     # ---- checks before any process group starts -------------------------------------------------------
@@ -153,6 +158,8 @@ class Strategy:
             problems.append(f"train.on_nonfinite=skip is not available with strategy={cfg.strategy.name} and "
                             f"precision={cfg.precision.name} (the step is taken inside the engine); use "
                             f"train.on_nonfinite=stop, or precision=fp16, whose loss scaler skips such steps")
+        if cfg.peft.name != "none":
+            problems += cls.peft_problems(cfg)
         if cfg.train.compile:
             if not cls.supports_compile:
                 problems.append(f"train.compile=true is not available with strategy={cfg.strategy.name}; set "
@@ -160,6 +167,26 @@ class Strategy:
             else:
                 problems += compile_problems(cfg.train.device)
         return problems
+
+    @classmethod
+    def peft_problems(cls, cfg) -> List[str]:
+        """peft=lora with this strategy (and layout): [] where it runs."""
+        from models.lora import quantization_problems
+
+        if cfg.peft.quantization == "none":
+            return []
+        if not cls.holds_whole_model:
+            return [f"peft.quantization={cfg.peft.quantization} (QLoRA) is available with strategy=single or ddp, "
+                    f"which hold the 4-bit base whole on each rank (bitsandbytes' 4-bit weights are not sharded by "
+                    f"strategy={cfg.strategy.name}); use one of them or peft.quantization=none"]
+        from tessera.errors import ConfigError
+        from trainer.parallel import select_device
+
+        try:
+            device = select_device(cfg.train.device)
+        except ConfigError:
+            return []  # the device's own problem is reported with the train.* keys
+        return quantization_problems(device)
 
     @classmethod
     def fault_tolerance_of(cls, cfg) -> FrozenSet[str]:
@@ -373,10 +400,21 @@ class Strategy:
         load, so any world size and layout can read them). Optimizer hyper-parameters go separately."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
+        options = self._state_dict_options()
         if model_only:
-            return {"model": get_model_state_dict(self.model)}
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+            return {"model": get_model_state_dict(self.model, options=options)}
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=options)
         return {"model": model_sd, "optim": _tensors_only(optim_sd["state"])}
+
+    def _state_dict_options(self):
+        """peft=lora: a checkpoint holds what trains (the adapters); the frozen base comes from the model's own
+        weights again when a run resumes. Loading then sets only those (DCP has already refused a checkpoint that
+        lacks one of them)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        if self.adapters is None:
+            return None
+        return StateDictOptions(ignore_frozen_params=True, strict=False)
 
     def local_state(self) -> dict:
         """State of this rank alone that the checkpoint keeps beside the shared tensors (a dict of tensors, saved
@@ -423,11 +461,13 @@ class Strategy:
     def load_checkpoint_state(self, state: dict, param_groups) -> None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
+        options = self._state_dict_options()
         if param_groups is None:
-            set_model_state_dict(self.model, state["model"])
+            set_model_state_dict(self.model, state["model"], options=options)
             return
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict={"state": state["optim"], "param_groups": self._my_groups(param_groups)})
+                       optim_state_dict={"state": state["optim"], "param_groups": self._my_groups(param_groups)},
+                       options=options)
 
     def _my_groups(self, saved: list) -> list:
         """The saved param groups' hyper-parameters under this rank's parameter names. Rank 0 wrote the groups
@@ -496,15 +536,51 @@ class Strategy:
         self.optimizer = None
 
     # ---- export -----------------------------------------------------------------------------------------
-    def export_hf(self, out_dir: str, tokenizer) -> None:
+    def export_hf(self, out_dir: str, tokenizer, adapter_dir: Optional[str] = None) -> List[str]:
         """Write the model as Hugging Face safetensors + config + tokenizer into `out_dir`, atomically
-        (a temporary folder renamed into place). Rank 0 writes; every rank must call."""
+        (a temporary folder renamed into place). peft=lora: the merged model there, and the adapter alone into
+        `adapter_dir` when given. Rank 0 writes; every rank must call. Returns the folders written."""
+        if self.adapters is not None:
+            return self.write_exports(self.unwrapped().config, tokenizer, out_dir, adapter_dir,
+                                      self.full_tensors())
         if not dist.is_initialized() or dist.get_rank() == 0:
             from trainer.hf_export import write_hf_folder
 
             write_hf_folder(self.unwrapped(), tokenizer, out_dir, dtype=self.cfg.export.dtype)
         if dist.is_initialized():
             dist.barrier()
+        return [out_dir]
+
+    def full_tensors(self):
+        """(name, full tensor) of every parameter (tied ones once) and persistent buffer of the model, real on
+        rank 0 (other ranks may get empty tensors); collective where the model is sharded. Here: a model each
+        rank holds whole, bitsandbytes' 4-bit weights dequantized."""
+        from models.lora import dense
+
+        model = self.unwrapped()
+        for name, p in model.named_parameters():
+            yield name, dense(p)
+        buffers = dict(model.named_buffers())
+        for name in model.state_dict():  # the persistent buffers (a 4-bit weight's quantization state is not one)
+            if name in buffers:
+                yield name, buffers[name]
+
+    def write_exports(self, config, tokenizer, out_dir: str, adapter_dir: Optional[str], named) -> List[str]:
+        """The merged model streamed into `out_dir` from `named` (full_tensors), the adapter into `adapter_dir`."""
+        from trainer.hf_export import write_adapter_folder, write_hf_folder_streaming
+
+        writer = not dist.is_initialized() or dist.get_rank() == 0
+        adapter = {}
+        config = copy.deepcopy(config)
+        if hasattr(config, "quantization_config"):  # QLoRA: the merged model is written dense
+            del config.quantization_config
+        write_hf_folder_streaming(config, tokenizer, out_dir, self.adapters.export_streams(named, adapter), writer,
+                                  dtype=self.cfg.export.dtype)
+        if writer and adapter_dir:
+            write_adapter_folder(self.adapters, adapter_dir, adapter, self.cfg.model.name_or_path)
+        if dist.is_initialized():
+            dist.barrier()
+        return [out_dir] + ([adapter_dir] if adapter_dir else [])
 
 
 class StateBytes:

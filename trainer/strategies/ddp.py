@@ -134,6 +134,7 @@ class DDPStrategy(Strategy):
     fault_tolerance = frozenset({"torchft"})
     comm_hooks = frozenset(COMM_HOOKS)
     periodic_sync = True
+    holds_whole_model = True
 
     def setup(self, model, build_optimizer, initial_weights=None):
         self.prepare_blocks(model)
@@ -147,7 +148,9 @@ class DDPStrategy(Strategy):
             for p in model.parameters():  # start from one model, as DDP does
                 dist.broadcast(p.data, src=dist.get_global_rank(group, 0) if group else 0, group=group)
             self.model = model
-            self.sync = PeriodicSync(self.cfg, dict(model.named_parameters()), group, dist.get_world_size(group))
+            # what trains (peft=lora: the adapters; the frozen base is the same on every worker)
+            self.sync = PeriodicSync(self.cfg, {n: p for n, p in model.named_parameters() if p.requires_grad}, group,
+                                     dist.get_world_size(group))
         else:
             bucket_cap_mb = s.bucket_cap_mb
             if s.comm_hook == "powersgd" and dist.get_backend(self.dp_group()) == "gloo":
@@ -193,7 +196,7 @@ class DDPStrategy(Strategy):
         if self.powersgd is not None:
             return {"powersgd": self.powersgd.state_dict()}
         if self.sync is not None:  # this worker's weights and optimizer state differ from the others'
-            return {"sync": self.sync.state_dict(), "weights": {n: p.detach() for n, p in self.model.named_parameters()},
+            return {"sync": self.sync.state_dict(), "weights": {n: p.detach() for n, p in self.sync.params.items()},
                     "optimizer": self.optimizer.state_dict()}
         return {}
 
@@ -206,7 +209,7 @@ class DDPStrategy(Strategy):
             if state is None or "sync" not in state:
                 return self.sync.load_state_dict(None)
             with torch.no_grad():
-                for n, p in self.model.named_parameters():
+                for n, p in self.sync.params.items():
                     p.copy_(state["weights"][n])
             self.optimizer.load_state_dict(state["optimizer"])
             return self.sync.load_state_dict(state["sync"])

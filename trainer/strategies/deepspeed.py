@@ -371,7 +371,8 @@ class DeepSpeedStrategy(Strategy):
         # universal_checkpoint_info lets ds_to_universal convert this checkpoint for another data-parallel size
         # (plain data parallelism: no tensor-parallel merge patterns).
         self.engine.save_checkpoint(folder, tag="zero", save_latest=False,
-                                    client_state={"universal_checkpoint_info": {"universal_checkpoint_version": 0.2}})
+                                    client_state={"universal_checkpoint_info": {"universal_checkpoint_version": 0.2}},
+                                    exclude_frozen_parameters=self.adapters is not None)  # peft=lora: adapters only
         return None
 
     def load_checkpoint_from(self, folder: str, group, weights_only: bool, param_groups) -> None:
@@ -393,7 +394,9 @@ class DeepSpeedStrategy(Strategy):
             # read (a refusal stops all ranks alike, before any state changed), and DeepSpeed's reads are made
             # weights-only while it loads (trainer/safe_load.py).
             with checked_deepspeed_folder(load_dir):
-                load_path, _ = self.engine.load_checkpoint(load_dir, tag="zero", load_module_strict=True,
+                # peft=lora: the module state holds the adapters only (the frozen base is the model's own)
+                load_path, _ = self.engine.load_checkpoint(load_dir, tag="zero",
+                                                           load_module_strict=self.adapters is None,
                                                            load_optimizer_states=not weights_only,
                                                            load_lr_scheduler_states=False,
                                                            load_module_only=weights_only)
@@ -442,17 +445,20 @@ class DeepSpeedStrategy(Strategy):
                     fh.write("ok\n")
         return out
 
-    def export_hf(self, out_dir: str, tokenizer) -> None:
+    def export_hf(self, out_dir: str, tokenizer, adapter_dir=None) -> list:
         """The fp32 master weights (not DeepSpeed's bf16/fp16 copies of them) cast to export.dtype, gathered one
         parameter at a time on every stage; rank 0 writes shards as they fill: no rank holds the whole model.
         The same weights as `python -m trainer.export` of a checkpoint taken at this step."""
         from trainer.hf_export import write_hf_folder_streaming
 
-        write_hf_folder_streaming(self.unwrapped().config, tokenizer, out_dir, self._master_tensors(),
+        if self.adapters is not None:
+            return self.write_exports(self.unwrapped().config, tokenizer, out_dir, adapter_dir, self.full_tensors())
+        write_hf_folder_streaming(self.unwrapped().config, tokenizer, out_dir, self.full_tensors(),
                                   dist.get_rank() == 0, dtype=self.cfg.export.dtype)
         dist.barrier()
+        return [out_dir]
 
-    def _master_tensors(self):
+    def full_tensors(self):
         """(name, full fp32 master) per parameter, then the persistent buffers. Collective: every rank iterates.
         ZeRO-1/2: each rank's fragment of the fp32 partition, all-reduced into one full tensor; ZeRO-3: the fp32
         partitions all-gathered (deepspeed.utils.safe_get_full_fp32_param). A parameter the ZeRO optimizer does

@@ -8,6 +8,7 @@ class SingleStrategy(Strategy):
     name = "single"
     launcher = "python"
     needs_process_group = False
+    holds_whole_model = True
 
     @classmethod
     def config_problems(cls, cfg, world_size):

@@ -75,6 +75,18 @@ class TorchNativeStrategy(Strategy):
         return cls.fault_tolerance if plain else frozenset()
 
     @classmethod
+    def peft_problems(cls, cfg) -> List[str]:
+        """LoRA over FSDP2 (the adapters sharded with their blocks); peft's layers replace the linear modules that
+        tensor parallelism splits and that the pipeline split does not know."""
+        s = cfg.strategy
+        problems = super().peft_problems(cfg)
+        if s.tp != 1 or s.pp != 1:
+            problems.append(f"peft=lora is not available with tensor or pipeline parallelism (strategy={s.name}, "
+                            f"strategy.tp={s.tp}, strategy.pp={s.pp}): adapters hold a fraction of the model's "
+                            f"parameters, so shard with strategy=fsdp or hsdp (or a ZeRO stage) instead")
+        return problems
+
+    @classmethod
     def periodic_sync_of(cls, cfg) -> bool:
         """Local SGD / DiLoCo across hsdp's replica groups (each group a worker, sharded inside); not with
         tensor or pipeline parallelism."""
@@ -254,7 +266,7 @@ class TorchNativeStrategy(Strategy):
         from trainer.strategies.sync import PeriodicSync
 
         shards = {n: (p.to_local() if isinstance(p, DTensor) else p).detach()  # views of the parameters' storage
-                  for n, p in self.state_model.named_parameters()}
+                  for n, p in self.state_model.named_parameters() if p.requires_grad}  # peft=lora: the adapters
         workers = dist.get_world_size(replicate_group) if replicate_group is not None else 1
         if workers > 1:
             for t in shards.values():
@@ -559,19 +571,22 @@ class TorchNativeStrategy(Strategy):
                          + (f", pipeline degree {dims.pp}" if dims.pp > 1 else ""))
 
     # ---- export: one parameter at a time, from whichever stage holds it --------------------------------------
-    def export_hf(self, out_dir: str, tokenizer) -> None:
+    def export_hf(self, out_dir: str, tokenizer, adapter_dir=None) -> list:
         from trainer.hf_export import write_hf_folder_streaming
 
-        write_hf_folder_streaming(self.parts[0][1].config, tokenizer, out_dir, self._gathered(), dist.get_rank() == 0,
-                                  dtype=self.cfg.export.dtype)
+        if self.adapters is not None:
+            return self.write_exports(self.parts[0][1].config, tokenizer, out_dir, adapter_dir, self.full_tensors())
+        write_hf_folder_streaming(self.parts[0][1].config, tokenizer, out_dir, self.full_tensors(),
+                                  dist.get_rank() == 0, dtype=self.cfg.export.dtype)
         dist.barrier()
+        return [out_dir]
 
-    def _gathered(self):
+    def full_tensors(self):
         from torch.distributed.tensor import DTensor
 
-        from models.init import meta_model
+        from models.lora import meta_adapted
 
-        full = meta_model(self.parts[0][1].config)
+        full = meta_adapted(self.parts[0][1].config, self.cfg.peft)
         mine = dict(self.state_model.named_parameters())
         mine.update({k: v for k, v in self.state_model.state_dict().items() if k not in mine})
         owners = [None] * dist.get_world_size()
