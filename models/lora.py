@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import re
@@ -25,6 +26,11 @@ import torch
 from torch import nn
 
 from tessera.errors import ModelError
+
+# bitsandbytes, which peft imports, looks for an optional CPU kernel on the Hugging Face hub as it loads and warns
+# when it cannot have it (offline, or not trusted); it then uses its own kernels: nothing for a user to do.
+for _name in ("bitsandbytes.backends.cpu.ops", "kernels"):
+    logging.getLogger(_name).setLevel(logging.ERROR)
 
 ADAPTER = "default"  # peft's adapter name inside the model (one adapter per run)
 _LORA = re.compile(r"^(.*)\.lora_([AB])\." + ADAPTER + r"\.(weight)$")
@@ -107,8 +113,12 @@ def adapter_key(name: str) -> Optional[str]:
     return None
 
 
-def _shape(t: torch.Tensor) -> Tuple[int, ...]:
-    return tuple(getattr(t, "ds_shape", t.shape))  # a ZeRO-3 partition's full shape
+def full_shape(t: torch.Tensor) -> Tuple[int, ...]:
+    """A parameter's shape in the model: a ZeRO-3 partition's full shape, a 4-bit weight's unpacked one."""
+    quant_state = getattr(t, "quant_state", None)
+    if quant_state is not None:
+        return tuple(quant_state.shape)
+    return tuple(getattr(t, "ds_shape", t.shape))
 
 
 class Adapters:
@@ -125,13 +135,13 @@ class Adapters:
                 self.layers[name] = (float(module.scaling[ADAPTER]), bool(getattr(module, "fan_in_fan_out", False)))
         named = dict(model.named_parameters())
         self.trainable = [n for n, p in named.items() if p.requires_grad]
-        self.shapes = {n: _shape(named[n]) for n in self.trainable}
+        self.shapes = {n: full_shape(named[n]) for n in self.trainable}
         self.by_base: Dict[str, List[str]] = {}
         for n in list(named) + [n for n, _ in model.named_buffers()]:
             base = base_name(n)
             if base is not None and base != n:
                 self.by_base.setdefault(base, []).append(n)
-        self.total = sum(math.prod(_shape(p)) for p in named.values())
+        self.total = sum(math.prod(full_shape(p)) for p in named.values())
         self.trained = sum(math.prod(s) for s in self.shapes.values())
 
     def describe(self) -> str:

@@ -5,6 +5,8 @@ Model code here holds no distributed code: strategies parallelize what `build` r
 """
 from __future__ import annotations
 
+import math
+
 import os
 from dataclasses import dataclass
 from typing import Callable, Dict
@@ -290,6 +292,8 @@ def build(m, info: ModelInfo, seed: int | None = None, device: torch.device | st
                 dtype=dtype, weights_only=True, **kwargs)  # a .bin file's pickle: tensors only, never code
         except Exception as e:  # noqa: BLE001
             raise ModelError("model.name_or_path: " + load_message("model weights", m.name_or_path, e)) from None
+        if quantization == "nf4":
+            keep_training_layout(model)
     else:
         cpu_rng = torch.random.get_rng_state()
         try:
@@ -299,6 +303,15 @@ def build(m, info: ModelInfo, seed: int | None = None, device: torch.device | st
         if seed is not None and not spec.pretrained:
             copy_full_tensors(model, initial_weights(info.hf_config, seed))
     return model if device is None else model.to(device)
+
+
+def keep_training_layout(model) -> None:
+    """bitsandbytes repacks a 4-bit weight for its CPU inference kernel the first time the layer runs in eval mode
+    without gradients, and the repacked layer computes outside autograd from then on (training after an evaluation
+    would stop every gradient at it; its kernel also needs sizes in multiples of 32): keep the training layout."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):  # bitsandbytes.nn.Linear4bit
+            module.support_avx512bf16_for_cpu = False
 
 
 def pretrained_weights(m, model):
@@ -318,4 +331,6 @@ def tensor_shapes(info: ModelInfo) -> dict:
 
 def count_parameters(model) -> int:
     """All parameters, also when each rank holds only a partition (DeepSpeed's ds_numel is the full size)."""
-    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    from models.lora import full_shape
+
+    return sum(math.prod(full_shape(p)) for p in model.parameters())

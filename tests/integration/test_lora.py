@@ -103,17 +103,84 @@ def test_exports_load_as_a_peft_adapter_and_as_the_merged_model(generated_data, 
     assert config["r"] == 4 and config["base_model_name_or_path"] == str(generated_data.model)
 
 
-def test_lora_trains_the_same_on_every_backend(generated_data, single, tmp_path):
+@pytest.fixture(scope="module")
+def layouts(generated_data, tmp_path_factory):
+    """Every backend's run of the same config (fsdp and zero3 also export): name -> run folder."""
     from concurrent.futures import ThreadPoolExecutor
+
+    root = tmp_path_factory.mktemp("lora-layouts")
 
     def run(name):
         launcher, nproc, extra = LAYOUTS[name]
-        ok(launch(launcher, _overrides(generated_data, *extra, "export.hf_at_end=false"), tmp_path / name,
-                  nproc=nproc, timeout=400))
-        return metrics(tmp_path / name)
+        export = name in ("fsdp", "zero3")  # the sharded exports (gathered per tensor)
+        ok(launch(launcher, _overrides(generated_data, *extra, f"export.hf_at_end={str(export).lower()}"),
+                  root / name, nproc=nproc, timeout=400))
+        return root / name
 
     with ThreadPoolExecutor(2) as pool:  # the runs are mostly start-up time
-        got = dict(zip(LAYOUTS, pool.map(run, LAYOUTS)))
+        return dict(zip(LAYOUTS, pool.map(run, LAYOUTS)))
+
+
+def test_lora_trains_the_same_on_every_backend(single, layouts):
     ref = metrics(single)
-    for name, recs in got.items():
-        check_parity(f"lora {name}", recs, ref, tol=LORA_TOL, steps=STEPS)
+    for name, run in layouts.items():
+        check_parity(f"lora {name}", metrics(run), ref, tol=LORA_TOL, steps=STEPS)
+
+
+@pytest.mark.parametrize("name", ["fsdp", "zero3"])
+def test_sharded_exports_equal_the_single_process_ones(single, layouts, name):
+    from safetensors.torch import load_file
+
+    for folder, filename in (("hf-adapter", "adapter_model.safetensors"), ("hf", "model.safetensors")):
+        mine, ref = load_file(layouts[name] / folder / filename), load_file(single / folder / filename)
+        assert sorted(mine) == sorted(ref)
+        err = max((mine[k] - ref[k]).abs().max().item() for k in ref)
+        print(f"lora {name} {folder}/ vs one process: max difference {err:.2e}")
+        assert err < 1e-5
+
+
+@pytest.mark.parametrize("name", ["single", "fsdp", "zero2"])
+def test_a_resumed_lora_run_continues_exactly(generated_data, single, layouts, tmp_path, name):
+    uninterrupted = single if name == "single" else layouts[name]
+    launcher, nproc, extra = ("python", 1, ["strategy=single"]) if name == "single" else LAYOUTS[name]
+    shutil.copytree(uninterrupted / "checkpoints" / "step_2", tmp_path / "checkpoints" / "step_2")
+    proc = launch(launcher, _overrides(generated_data, *extra, "checkpoint.resume=auto", "export.hf_at_end=false"),
+                  tmp_path, nproc=nproc)
+    ok(proc)
+    got, ref = metrics(tmp_path), {r["step"]: r for r in metrics(uninterrupted)}
+    assert [r["step"] for r in got] == [3, 4]
+    assert [(r["loss"], r["grad_norm"]) for r in got] == [(ref[r["step"]]["loss"], ref[r["step"]]["grad_norm"])
+                                                          for r in got]
+
+
+def test_qlora_trains_on_a_4bit_base_and_exports_its_merged_model(generated_data, tmp_path):
+    """bitsandbytes holds the base in nf4 on the CPU: one process and 2 DDP ranks train the same adapters, and the
+    merged hf/ (the base dequantized plus the adapters, dense) gives the 4-bit adapter model's logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from models.registry import keep_training_layout
+
+    qlora = ["peft.quantization=nf4", "eval.every=2"]
+    ok(launch("python", _overrides(generated_data, "strategy=single", *qlora), tmp_path / "single"))
+    ok(launch("torchrun", _overrides(generated_data, "strategy=ddp", *qlora, "export.hf_at_end=false"),
+              tmp_path / "ddp", nproc=2))
+    ref = metrics(tmp_path / "single")
+    check_parity("qlora ddp", metrics(tmp_path / "ddp"), ref, tol=LORA_TOL, steps=STEPS)
+    assert ref[-1]["loss"] < ref[0]["loss"]
+    # training went on after each evaluation (an evaluation must leave the 4-bit layers trainable)
+    assert [e["step"] for e in read_jsonl(tmp_path / "single" / "eval.jsonl")] == [2, 4]
+
+    quantized = AutoModelForCausalLM.from_pretrained(
+        generated_data.model, dtype=torch.float32, device_map="cpu",
+        quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                               bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.float32))
+    keep_training_layout(quantized)
+    ids = torch.randint(0, 200, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        adapted = PeftModel.from_pretrained(quantized, tmp_path / "single" / "hf-adapter").eval()
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "single" / "hf", dtype=torch.float32).eval()
+        err = (merged(ids).logits - adapted(ids).logits).abs().max().item()
+    print(f"qlora merged hf/ vs 4-bit base + hf-adapter/: max logit difference {err:.2e}")
+    assert err < 1e-5
+    assert "quantization_config" not in json.loads((tmp_path / "single" / "hf" / "config.json").read_text())
