@@ -14,6 +14,7 @@ merged model (W + alpha/r B A, what `merge_and_unload` computes) and writes the 
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -25,7 +26,7 @@ from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
-from tessera.errors import ModelError
+from tessera.errors import ModelError, one_line
 
 # bitsandbytes, which peft imports, looks for an optional CPU kernel on the Hugging Face hub as it loads and warns
 # when it cannot have it (offline, or not trusted); it then uses its own kernels: nothing for a user to do.
@@ -347,18 +348,21 @@ def model_problems(cfg, hf_config) -> List[str]:
     p = cfg.peft
     if p.name == "none":
         return []
-    if p.adapter:
+    problems = []
+    if p.adapter and os.path.isfile(os.path.join(p.adapter, "adapter_config.json")):  # else: config.peft_problems
         try:
             lora_config(p)
         except Exception as e:  # noqa: BLE001 - peft's own message on a bad adapter_config.json
-            return [f"peft.adapter={p.adapter!r}: its adapter_config.json is not a LoRA config ({e})"]
+            return [f"peft.adapter={p.adapter!r}: its adapter_config.json is not a LoRA config ({one_line(e)})"]
+    elif p.adapter:
+        p = copy.copy(p)
+        p.adapter = None  # the folder's problem is reported already; check the rest without it
     model = meta_model(hf_config)
     tied = getattr(hf_config.get_text_config(), "tie_word_embeddings", False)
     try:
         adapters = inject(model, p)
     except ModelError as e:
         return [str(e)]
-    problems = []
     for wanted in (p.modules_to_save if not p.adapter else []):
         if not any(n.startswith(f"{wanted}{_SAVED}") or f".{wanted}{_SAVED}" in n for n in adapters.trainable):
             problems.append(f"peft.modules_to_save names {wanted!r}, which is no module of "

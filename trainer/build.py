@@ -76,7 +76,9 @@ def check(cfg: C.TesseraConfig, world_size: int):
             tokenizer = registry.load_tokenizer(cfg.model)
             info = registry.describe(cfg.model, tokenizer)
             problems += registry.model_problems(cfg, info, tokenizer)
-            problems += lora.model_problems(cfg, info.hf_config)
+            if not any(p.startswith(("peft.r=", "peft.alpha=", "peft.dropout=", "peft.target_modules"))
+                       for p in problems):  # peft can only build adapters from sane values
+                problems += lora.model_problems(cfg, info.hf_config)
             if cls is not None and dims is not None:
                 problems += cls.model_problems(cfg, info, dims)
         except ModelError as e:

@@ -26,7 +26,22 @@ def _files(tmp_path):
     (tmp_path / "sft_noanswer.jsonl").write_text('{"instruction": "hi", "output": ""}\n')
     (tmp_path / "ds_stage.json").write_text(json.dumps({"zero_optimization": {"stage": "two"}}))
     (tmp_path / "ds_offload.json").write_text(json.dumps({"zero_optimization": {"offload_optimizer": "cpu"}}))
+    _foreign_adapter(tmp_path / "adapter-hidden-32")
     return tmp_path
+
+
+def _foreign_adapter(folder):
+    """A PEFT LoRA adapter for a Llama of hidden size 32 (QUICK's model has 64)."""
+    import torch
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], base_model_name_or_path="some/llama-h32",
+               task_type="CAUSAL_LM").save_pretrained(str(folder))
+    save_file({f"base_model.model.model.layers.{i}.self_attn.q_proj.lora_{ab}.weight": torch.zeros(shape)
+               for i in range(2) for ab, shape in (("A", (4, 32)), ("B", (32, 4)))},
+              str(folder / "adapter_model.safetensors"))
 
 
 CASES = [
@@ -90,6 +105,13 @@ CASES = [
      "data.sources weights [0.0, 0.0] sum to zero; give at least one source a weight > 0"),
     ("packing-with-pipeline-parallelism", ["data.packing=documents", "strategy=pp"],
      "torchrun-quiet", 2, 2, "data.packing=documents is not available with pipeline parallelism"),
+    # LoRA (peft=lora) against the model and the layout.
+    ("lora-targets-match-nothing", ["peft=lora", "peft.target_modules=[qkv_fused]"], "python", 1, 2,
+     "peft.target_modules=['qkv_fused'] matches no module of llama"),
+    ("lora-adapter-of-another-base-model", ["peft=lora", "peft.adapter={tmp}/adapter-hidden-32"], "python", 1, 2,
+     "is an adapter for another base model (some/llama-h32)"),
+    ("lora-with-tensor-parallelism", ["peft=lora", "strategy=tp"], "torchrun-quiet", 2, 2,
+     "peft=lora is not available with tensor or pipeline parallelism"),
     # Attention kernels this machine can't train with.
     ("flash-attention-on-cpu", ["model.attn_implementation=flash_attention_2", "train.device=cpu"], "python", 1, 2,
      "model.attn_implementation=flash_attention_2 needs a CUDA device"),

@@ -75,18 +75,6 @@ class TorchNativeStrategy(Strategy):
         return cls.fault_tolerance if plain else frozenset()
 
     @classmethod
-    def peft_problems(cls, cfg) -> List[str]:
-        """LoRA over FSDP2 (the adapters sharded with their blocks); peft's layers replace the linear modules that
-        tensor parallelism splits and that the pipeline split does not know."""
-        s = cfg.strategy
-        problems = super().peft_problems(cfg)
-        if s.tp != 1 or s.pp != 1:
-            problems.append(f"peft=lora is not available with tensor or pipeline parallelism (strategy={s.name}, "
-                            f"strategy.tp={s.tp}, strategy.pp={s.pp}): adapters hold a fraction of the model's "
-                            f"parameters, so shard with strategy=fsdp or hsdp (or a ZeRO stage) instead")
-        return problems
-
-    @classmethod
     def periodic_sync_of(cls, cfg) -> bool:
         """Local SGD / DiLoCo across hsdp's replica groups (each group a worker, sharded inside); not with
         tensor or pipeline parallelism."""
@@ -126,6 +114,13 @@ class TorchNativeStrategy(Strategy):
                 problems.append(f"strategy.sequence_parallel=true with a mixture-of-experts model "
                                 f"({info.hf_config.model_type}) is not supported: its experts stay whole on every "
                                 f"tensor-parallel rank; set strategy.sequence_parallel=false")
+        if cfg.peft.name != "none" and (dims.tp > 1 or dims.pp > 1):
+            # peft's layers replace the linear modules that tensor parallelism splits, and the stages would train
+            # adapters of a fraction of the model each
+            problems.append(f"peft=lora is not available with tensor or pipeline parallelism (strategy={s.name}: "
+                            f"tensor-parallel degree {dims.tp}, pipeline degree {dims.pp}): adapters hold a small "
+                            f"fraction of the parameters, so shard the frozen base with strategy=fsdp or hsdp (or "
+                            f"a ZeRO stage) instead")
         if dims.pp > 1 and cfg.data.packing == "documents":
             problems.append(f"data.packing=documents is not available with pipeline parallelism (strategy.pp="
                             f"{dims.pp}): the stages pass hidden states only, not the packed position ids; use "
