@@ -177,8 +177,12 @@ def estimate(cfg, world_size: int, info, counts: Optional[Counts] = None) -> Est
     if ParallelDims.problems(s, world_size):
         return est
     dims = ParallelDims.from_config(s, world_size)
+    model = None
     if counts is None:
-        counts = count_parameters(meta_model(info.hf_config), dims.tp)
+        from models.lora import meta_adapted
+
+        model = meta_adapted(info.hf_config, cfg.peft)  # peft=lora: the adapters counted in
+        counts = count_parameters(model, dims.tp)
     here, split = _stage_share(cfg, dims, counts, info)
     rank_params = (here - split) + split / max(dims.tp, 1)  # model-parallel part of this rank
     layers_here = max(1, round(len(counts.blocks) * here / max(counts.total, 1)))
@@ -188,9 +192,41 @@ def estimate(cfg, world_size: int, info, counts: Optional[Counts] = None) -> Est
     if cls is None:  # an unknown strategy: the config problems say so
         return est
     cls.estimate_model_states(est, cfg, dims, counts, rank_params)  # each strategy's own rules
+    if cfg.peft.name != "none" and model is not None:
+        lora_states(est, cfg, info, model)
     est.notes.append(f"host RAM per node while loading: {est.host_load * min(nproc, _local_procs()) / GIB:.2f} GiB "
                      f"({min(nproc, _local_procs())} processes)")
     return est
+
+
+# bitsandbytes' nf4 with double quantization: 4 bits per weight, an 8-bit scale per block of 64 and an fp32 scale of
+# those per 256 blocks
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
+
+
+def lora_states(est: Estimate, cfg, info, model) -> None:
+    """peft=lora: gradients, optimizer state and master weights exist for the adapters only; each strategy shards
+    (or not) what trains as it shards the rest, so its estimate scales by the trainable fraction. QLoRA: the linear
+    layers of the base (all but the head, as transformers quantizes) in nf4."""
+    from torch import nn
+
+    from models.lora import Adapters
+
+    adapters = Adapters(model)
+    fraction = adapters.trained / max(adapters.total, 1)
+    est.grads *= fraction
+    est.optimizer *= fraction
+    est.master_params *= fraction
+    est.notes.append(f"peft=lora: {adapters.trained / 1e6:.3f}M of {adapters.total / 1e6:.2f}M parameters train "
+                     f"(gradients, optimizer state and master weights for those only)")
+    if cfg.peft.quantization == "nf4":
+        from models.init import meta_model
+
+        base = meta_model(info.hf_config)
+        head = base.get_output_embeddings()
+        quantized = sum(m.weight.numel() for m in base.modules() if isinstance(m, nn.Linear) and m is not head)
+        est.params -= (4 - NF4_BYTES) * quantized
+        est.notes.append(f"peft.quantization=nf4: {quantized / 1e6:.2f}M base weights at {NF4_BYTES:.3f} bytes each")
 
 
 def is_pretrained(cfg) -> bool:

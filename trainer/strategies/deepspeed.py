@@ -505,6 +505,8 @@ class DeepSpeedStrategy(Strategy):
                 master = safe_get_local_fp32_param(p)
                 count.bytes["params"] += master.numel() * p.element_size()  # the bit16 partition, same elements
                 count.bytes["master_params"] += master.numel() * master.element_size()
+            elif stage3 and hasattr(p, "ds_tensor"):  # frozen (peft=lora's base): its partition, no master copy
+                count.bytes["params"] += p.ds_tensor.numel() * p.ds_tensor.element_size()
         if not stage3:
             for t in masters:
                 count.add("master_params", t)

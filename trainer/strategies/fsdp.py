@@ -181,7 +181,9 @@ def count_fsdp_states(strategy, count) -> None:
     all-gather and its reshard FSDP registers the all-gathered (unsharded) parameters on the module instead:
     what the module's parameters are then, and not the optimizer's, is `gathered` (bf16 under precision=bf16).
     Gradients: `.grad` of both (sharded: views into the reduce-scatter output; unsharded: in backward)."""
-    sharded = [p for group in strategy.optimizer.param_groups for p in group["params"]]
+    # frozen parameters (peft=lora's base) are sharded too, outside the optimizer: the strategy keeps them
+    sharded = [p for group in strategy.optimizer.param_groups for p in group["params"]] + \
+        list(getattr(strategy, "frozen_shards", []))
     managed = {id(p) for p in sharded}
     modules = [root for root, _ in fsdp_trees(strategy)] + [strategy.unwrapped()]
     gathered = {id(p): p for m in modules for p in m.parameters() if id(p) not in managed}

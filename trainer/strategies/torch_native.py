@@ -243,6 +243,8 @@ class TorchNativeStrategy(Strategy):
         if local_workers:
             self._attach_periodic_sync(mesh["dp_replicate"].get_group() if d.dp_replicate_enabled else None)
         self.optimizer = build_optimizer(self.state_model.named_parameters())
+        # peft=lora's frozen base: sharded like the rest, outside the optimizer (the memory report counts them)
+        self.frozen_shards = [p for p in self.state_model.parameters() if not p.requires_grad]
         if self.precision.scaler is not None:  # stages without the loss never call scale(), which sets it up
             self.precision.scaler.scale(torch.zeros((), device=self.device))
         if d.pp_enabled:
