@@ -312,6 +312,17 @@ def _adapter_base(folder: str) -> str:
         return ""
 
 
+def full_tensors(model: nn.Module) -> Iterator[Tuple[str, torch.Tensor]]:
+    """(name, tensor) of every parameter (tied ones once, 4-bit ones dequantized) and persistent buffer of a model
+    held whole."""
+    for name, p in model.named_parameters():
+        yield name, dense(p)
+    buffers = dict(model.named_buffers())
+    for name in model.state_dict():  # the persistent buffers (a 4-bit weight's quantization state is not one)
+        if name in buffers:
+            yield name, buffers[name]
+
+
 def dense(p: torch.Tensor) -> torch.Tensor:
     """A parameter's values as a plain tensor: bitsandbytes' 4-bit weights (QLoRA) dequantized, others as they are."""
     quant_state = getattr(p, "quant_state", None)

@@ -39,9 +39,10 @@ def checkpoint_export_dtype(path: str) -> str:
     return dtype
 
 
-def export_checkpoint(checkpoint: str, out_dir: str, dtype: str | None = None) -> str:
+def export_checkpoint(checkpoint: str, out_dir: str, dtype: str | None = None, adapter_dir: str | None = None) -> str:
     """Write the checkpoint's fp32 master weights, cast to `dtype` (None: the run's export.dtype), as an HF
-    folder. Returns the checkpoint folder exported."""
+    folder. A peft=lora checkpoint: the merged model there and the adapter into `adapter_dir` (default
+    `<out_dir>-adapter`). Returns the checkpoint folder exported."""
     import torch
     import torch.distributed.checkpoint as dcp
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -63,6 +64,9 @@ def export_checkpoint(checkpoint: str, out_dir: str, dtype: str | None = None) -
     hf_dir = os.path.join(path, "hf_config")
     config = AutoConfig.from_pretrained(hf_dir)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    if meta.get("peft"):
+        _export_lora(path, meta, config, tokenizer, out_dir, dtype, adapter_dir or out_dir.rstrip("/") + "-adapter")
+        return path
     if meta.get("checkpoint_format") == "deepspeed":
         _export_deepspeed(path, config, tokenizer, out_dir, dtype)
         return path
@@ -107,12 +111,90 @@ def _export_deepspeed(path: str, config, tokenizer, out_dir: str, dtype: str) ->
         write_hf_folder_streaming(config, tokenizer, out_dir, tensors(), writer=True, dtype=dtype)
 
 
+def _export_lora(path: str, meta: dict, config, tokenizer, out_dir: str, dtype: str, adapter_dir: str) -> None:
+    """A LoRA checkpoint holds the adapters only: the base is built again as the run built it (the pretrained
+    folder named by its config.yaml, in 4 bits for QLoRA, or the seeded preset), the adapters are read into it, and
+    the merged model and the adapter are written as the run's own export writes them."""
+    import copy
+    from types import SimpleNamespace
+
+    import torch
+    from omegaconf import OmegaConf
+    from transformers import AutoModelForCausalLM
+
+    from models import lora
+    from models.init import copy_full_tensors, initial_weights
+    from trainer import checkpoint as ckpt
+    from trainer.hf_export import write_adapter_folder, write_hf_folder_streaming
+
+    run = OmegaConf.load(os.path.join(path, "config.yaml"))
+    m = run.model
+    if m.kind == "hf":
+        kwargs = {}
+        if OmegaConf.select(run, "peft.quantization") == "nf4":
+            from transformers import BitsAndBytesConfig
+
+            kwargs = dict(device_map={"": "cpu"}, quantization_config=BitsAndBytesConfig(
+                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                bnb_4bit_compute_dtype=torch.float32))
+        try:
+            model = AutoModelForCausalLM.from_pretrained(m.name_or_path, revision=m.revision, dtype=torch.float32,
+                                                         weights_only=True, **kwargs)
+        except Exception as e:  # noqa: BLE001 - the base is gone or unreadable
+            raise ckpt.CheckpointError(f"{path} holds LoRA adapters only and its base model {m.name_or_path} "
+                                       f"cannot be read ({one_line(e)}); the base is needed to export") from None
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        copy_full_tensors(model, initial_weights(config, int(run.train.seed)))
+    adapters = lora.inject(model, SimpleNamespace(adapter=os.path.join(path, "hf_config")))
+    trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if meta.get("checkpoint_format") == "deepspeed":
+        import contextlib
+        import io
+
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        from trainer.safe_load import checked_deepspeed_folder
+
+        with checked_deepspeed_folder(path), contextlib.redirect_stdout(io.StringIO()):
+            saved = get_fp32_state_dict_from_zero_checkpoint(path, tag="zero")
+        missing = sorted(set(trained) - set(saved))
+        if missing:
+            raise ckpt.CheckpointError(f"{path} lacks {len(missing)} adapter tensors (e.g. {missing[0]})")
+        with torch.no_grad():
+            for n, p in trained.items():
+                p.copy_(saved[n])
+    else:
+        import torch.distributed.checkpoint as dcp
+
+        from trainer.safe_load import SafeFileSystemReader, SafeLoadPlanner
+
+        state = {"model": {n: p.detach() for n, p in trained.items()}}
+        try:
+            dcp.load(state, checkpoint_id=path, storage_reader=SafeFileSystemReader(path),
+                     planner=SafeLoadPlanner(), no_dist=True)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            raise ckpt.CheckpointError(f"cannot read the adapters from {path}: {one_line(e)}") from None
+    adapter = {}
+    config = copy.deepcopy(config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    write_hf_folder_streaming(config, tokenizer, out_dir, adapters.export_streams(lora.full_tensors(model), adapter),
+                              writer=True, dtype=dtype)
+    write_adapter_folder(adapters, adapter_dir, adapter, m.name_or_path)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="a step_<N> folder, a checkpoints/ folder or a run directory")
     parser.add_argument("out_dir", help="where to write the Hugging Face model folder")
     parser.add_argument("--dtype", choices=DTYPES, default=None,
                         help="dtype of the written weights (default: the run's export.dtype, fp32 if unset)")
+    parser.add_argument("--adapter-dir", default=None,
+                        help="a LoRA checkpoint (peft=lora): where the adapter goes (default: <out_dir>-adapter); "
+                             "out_dir gets the merged model")
     args = parser.parse_args(argv)
     from trainer.cli import fault_message, unwritable
     from tessera.errors import EXIT_BAD_INPUT, EXIT_FAULT, TesseraError
@@ -122,7 +204,7 @@ def main(argv=None) -> int:
         print(f"error: the export folder {args.out_dir}: {why}; pass a writable out_dir", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
-        path = export_checkpoint(args.checkpoint, args.out_dir, dtype=args.dtype)
+        path = export_checkpoint(args.checkpoint, args.out_dir, dtype=args.dtype, adapter_dir=args.adapter_dir)
     except TesseraError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code

@@ -184,3 +184,27 @@ def test_qlora_trains_on_a_4bit_base_and_exports_its_merged_model(generated_data
     print(f"qlora merged hf/ vs 4-bit base + hf-adapter/: max logit difference {err:.2e}")
     assert err < 1e-5
     assert "quantization_config" not in json.loads((tmp_path / "single" / "hf" / "config.json").read_text())
+
+
+@pytest.mark.parametrize("name", ["single", "zero2"])
+def test_exporting_a_lora_checkpoint_rebuilds_the_runs_exports(single, layouts, tmp_path, name):
+    """python -m trainer.export on a checkpoint that holds the adapters only (DCP; DeepSpeed's format): the base is
+    read again, and the merged model and the adapter equal the run's own end-of-run export."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from tests.integration.conftest import REPO
+
+    run = single if name == "single" else layouts[name]
+    proc = subprocess.run([sys.executable, "-m", "trainer.export", str(run / "checkpoints" / "step_4"),
+                           str(tmp_path / "merged")], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for folder, filename in (("merged-adapter", "adapter_model.safetensors"), ("merged", "model.safetensors")):
+        got = load_file(tmp_path / folder / filename)
+        ref = load_file(single / ("hf-adapter" if folder.endswith("adapter") else "hf") / filename)
+        assert sorted(got) == sorted(ref)
+        err = max((got[k] - ref[k]).abs().max().item() for k in ref)
+        print(f"export of the lora {name} checkpoint, {folder}/ vs the run's: max difference {err:.2e}")
+        assert err < (1e-7 if name == "single" else 1e-5)

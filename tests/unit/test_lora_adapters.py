@@ -36,15 +36,6 @@ def _random_adapted(arch: str, **kw):
     return base, model.eval(), adapters
 
 
-def _full_tensors(model):
-    for name, p in model.named_parameters():
-        yield name, p.detach()
-    buffers = dict(model.named_buffers())
-    for name in model.state_dict():
-        if name in buffers:
-            yield name, buffers[name]
-
-
 # gpt2: Conv1D layers (fan_in_fan_out); qwen2: biased q/k/v projections; llama: a fully trained embedding copy
 @pytest.mark.parametrize("arch,extra", [("llama", {"modules_to_save": ["embed_tokens"]}), ("gpt2", {}),
                                         ("qwen2", {"target_modules": ["q_proj", "v_proj"]})])
@@ -56,8 +47,8 @@ def test_the_merged_export_equals_peft_merge_and_the_adapter_folder_loads(arch, 
 
     base, model, adapters = _random_adapted(arch, **extra)
     adapter = {}
-    merged = dict(adapters.export_streams(_full_tensors(model), adapter))
-    assert sorted(merged) == sorted(n for n, _ in _full_tensors(base))  # the base's names, nothing of peft's
+    merged = dict(adapters.export_streams(lora.full_tensors(model), adapter))
+    assert sorted(merged) == sorted(n for n, _ in lora.full_tensors(base))  # the base's names, nothing of peft's
     ids = torch.randint(0, archs.VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = model(ids).logits

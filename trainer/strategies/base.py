@@ -555,15 +555,9 @@ class Strategy:
         """(name, full tensor) of every parameter (tied ones once) and persistent buffer of the model, real on
         rank 0 (other ranks may get empty tensors); collective where the model is sharded. Here: a model each
         rank holds whole, bitsandbytes' 4-bit weights dequantized."""
-        from models.lora import dense
+        from models.lora import full_tensors
 
-        model = self.unwrapped()
-        for name, p in model.named_parameters():
-            yield name, dense(p)
-        buffers = dict(model.named_buffers())
-        for name in model.state_dict():  # the persistent buffers (a 4-bit weight's quantization state is not one)
-            if name in buffers:
-                yield name, buffers[name]
+        return full_tensors(self.unwrapped())
 
     def write_exports(self, config, tokenizer, out_dir: str, adapter_dir: Optional[str], named) -> List[str]:
         """The merged model streamed into `out_dir` from `named` (full_tensors), the adapter into `adapter_dir`."""
