@@ -62,7 +62,7 @@ def leftovers(run_dir: str) -> List[str]:
                 found.append(name)
         except OSError:
             pass
-    for name in ("hf", "snapshots"):  # an exported model, live snapshots (export.snapshot_every)
+    for name in ("hf", "hf-adapter", "snapshots"):  # exports (hf-adapter/: peft=lora), live snapshots
         folder = os.path.join(run_dir, name)
         if os.path.isdir(folder) and os.listdir(folder):
             found.append(f"{name}/")

@@ -208,3 +208,21 @@ def test_exporting_a_lora_checkpoint_rebuilds_the_runs_exports(single, layouts, 
         err = max((got[k] - ref[k]).abs().max().item() for k in ref)
         print(f"export of the lora {name} checkpoint, {folder}/ vs the run's: max difference {err:.2e}")
         assert err < (1e-7 if name == "single" else 1e-5)
+
+
+def test_training_starts_from_an_adapter_folder(generated_data, single, tmp_path):
+    """peft.adapter: a run (here FSDP, which reads the base and the adapter part by part) starts from the adapter
+    that the single-process run exported: its first evaluation is the merged model's validation loss."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.integration.conftest import val_loss
+
+    overrides = _overrides(generated_data, "strategy=fsdp", f"peft.adapter={single / 'hf-adapter'}",
+                           "eval.at_start=true", "eval.max_sequences=16", "train.max_steps=1",
+                           "export.hf_at_end=false", "checkpoint.every=0")
+    ok(launch("torchrun", overrides, tmp_path / "run", nproc=2))
+    first = read_jsonl(tmp_path / "run" / "eval.jsonl")[0]
+    merged = AutoModelForCausalLM.from_pretrained(single / "hf", dtype=torch.float32).eval()
+    expected = val_loss(merged, tmp_path / "val", overrides)
+    print(f"lora from an adapter folder: step-0 val loss {first['val_loss']:.6f}, merged model's {expected:.6f}")
+    assert first["step"] == 0 and rel_err(first["val_loss"], expected) < 1e-5
