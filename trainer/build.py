@@ -285,6 +285,7 @@ def build(p: Prepared) -> Run:
     if cfg.checkpoint.resume != "none":
         logger.resume(run.step)  # drop what a killed attempt logged after the checkpoint
     run.stop = StopRequest()
+    sampler.bind(run)  # data.follow waits for records with the run's stop request
     run.snapshots = Snapshots(p.run_dir, cfg.export.snapshot_every, cfg.export.snapshot_keep, writes=is0)
     return run
 

@@ -573,6 +573,7 @@ class CheckpointManager:
             self.logger.info(f"loaded the model weights of {path}; starting a new run at step 0")
             return
         self.progress.load_state_dict(meta)
+        self.sampler.load_state_dict(meta["loader"])  # data.follow: the stream's position (else nothing)
         self.scheduler.load_state_dict(meta["scheduler"])
         self.strategy.precision.load_state_dict(meta["precision"])
         world_size = self.strategy.dims.world_size

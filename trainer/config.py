@@ -77,6 +77,14 @@ class DataConfig:
     split: str = documented("train", "kind=hub: the split to read.")
     revision: Optional[str] = documented(None, "kind=hub: the dataset's revision (branch, tag or commit).")
     text_field: str = documented("text", "Field of JSON/JSONL/parquet/hub records that holds the text.")
+    follow: bool = documented(False, "Train on records appended to data.path (a JSONL file, or a folder of *.jsonl "
+                                     "files) while the run is live, each once; wait when there is nothing new.")
+    follow_replay: float = documented(0.0, "data.follow: share of each global batch drawn from records read "
+                                           "earlier (0 = new records only).")
+    follow_poll_s: float = documented(2.0, "data.follow: seconds between looks at data.path while it has nothing "
+                                           "new.")
+    follow_idle_timeout_s: float = documented(0.0, "data.follow: end the run (with a checkpoint and the export) "
+                                                   "after this long without a new record; 0 = wait on.")
     seq_len: int = documented(128, "Tokens per training sequence (documents are packed; SFT examples truncated "
                                    "and padded).")
     val_fraction: float = documented(0.05, "Share of the sequences held out for validation (a seeded "
@@ -238,6 +246,8 @@ class TrainConfig:
     # checkpoint is kept out of keep_last rotation when the run stops.
     on_nonfinite: str = documented("stop", "A non-finite loss or gradient norm (or a loss spike): stop (exit "
                                            "code 3) or skip the step.")
+    max_time_s: float = documented(0.0, "Stop (with a checkpoint, to continue with checkpoint.resume=auto) once the "
+                                        "run has trained this many seconds; 0 = no limit.")
     loss_spike_factor: float = documented(0.0, "A logged loss above this factor times the recent mean counts as "
                                                "divergence; 0 disables the check.")
 
@@ -393,6 +403,10 @@ RANGES = {
     "model.initializer_range": _positive("the init std of the preset's weights"),
     "data.seq_len": _positive(),
     "data.temperature": _positive(),
+    "data.follow_replay": _between(0, 1, hi_open=True),
+    "data.follow_poll_s": _positive("seconds"),
+    "data.follow_idle_timeout_s": _at_least(0, "0 = wait on"),
+    "train.max_time_s": _at_least(0, "0 = no limit"),
     "export.snapshot_every": _at_least(0, "0 = off"),
     "export.snapshot_keep": _at_least(2),
     "data.val_fraction": _between(0, 1, hi_open=True),
@@ -552,6 +566,9 @@ def validate(cfg: TesseraConfig, world_size: int) -> List[str]:
         problems.append("data.name must be set for data.kind=hub (a hub dataset id)")
     problems += mixture_problems(cfg.data)
     problems += peft_problems(cfg)
+    from trainer.data.follow import follow_problems
+
+    problems += follow_problems(cfg)
     if cfg.model.kind == "hf" and not cfg.model.name_or_path:
         problems.append("model.name_or_path must be set for model=hf (a local folder or a hub id)")
     if cfg.model.kind != "hf":

@@ -34,12 +34,16 @@ def fit(run) -> None:
     probe = FirstStepProbe(strategy) if cfg.logging.memory_report else None
     guard = DivergenceGuard(run)
     comm = comm_bytes.COUNTER
+    started = time.monotonic()
     while run.step < t.max_steps:
         strategy.begin_step(run.step)  # a replica group that recovers from a peer may move run.step here
         k = run.step
         if k >= t.max_steps:
             break
         global_batch = run.sampler.global_batch(k)
+        if global_batch is None:  # data.follow: a stop signal, or no new record for its idle limit, while waiting
+            run.stopped_by = run.stop.name
+            break
         n_target = run.data.train.count_targets(global_batch)
         positions = run.sampler.micro_batches(k, strategy.dp_rank, strategy.dp_size, t.micro_batch_size)
         micro_batches = [run.data.train.get(pos) for pos in positions]
@@ -98,9 +102,12 @@ def fit(run) -> None:
             throughput.exclude(time.perf_counter() - t_aside)
 
         run.checkpointer.poll()
+        if t.max_time_s and time.monotonic() - started >= t.max_time_s:
+            run.stop.request("train.max_time_s")  # agreed below: any rank past the limit stops them all
         if run.stop.agreed():
             run.stopped_by = run.stop.name
-            run.logger.info(f"{run.stopped_by} received: stopping after step {run.step}")
+            what = run.stopped_by if run.stop.reason else f"{run.stopped_by} received"
+            run.logger.info(f"{what}: stopping after step {run.step}")
             break
         t_aside = time.perf_counter()
         if run.checkpointer.due(run.step):

@@ -31,6 +31,7 @@ class StopRequest:
 
     def __init__(self):
         self.signum = None
+        self.reason = ""  # a stop the run asked for itself (train.max_time_s)
         self._previous = {}
         self.group = None  # collective: every rank constructs its StopRequest at the same point
         if dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "gloo":
@@ -46,17 +47,23 @@ class StopRequest:
 
     @property
     def name(self) -> str:
+        if self.reason:
+            return self.reason
         return signal.Signals(self.signum).name if self.signum else ""
+
+    def request(self, reason: str) -> None:
+        """Stop for `reason` (a limit of the run, not a signal); agreed by all ranks like a signal."""
+        self.reason = reason
 
     def agreed(self) -> bool:
         """True on every rank once any rank got a stop signal (collective: every rank calls it each step)."""
-        local = self.signum is not None
+        local = self.signum is not None or bool(self.reason)
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return local
         flag = torch.tensor([1 if local else 0], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         stop = bool(flag.item())
-        if stop and self.signum is None:
+        if stop and self.signum is None and not self.reason:
             self.signum = signal.SIGTERM
         return stop
 

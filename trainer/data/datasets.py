@@ -184,6 +184,10 @@ class DataSplits:
 
 def build_data(cfg, tokenizer, vocab_size: int, log: Callable[[str], None] = print) -> DataSplits:
     d = cfg.data
+    if d.follow:  # records read as they arrive (trainer/data/follow.py)
+        from trainer.data.follow import FollowData
+
+        return FollowData(d, tokenizer)
     if d.kind == "mixture":
         from trainer.data.mixture import build_mixture
 

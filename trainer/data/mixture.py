@@ -126,6 +126,12 @@ class MixtureSampler:
         return {"consumed_batches": consumed_batches, "num_sequences": self.n, "global_batch_size": self.gbs,
                 "seed": self.seed, "weights": [float(w) for w in self.weights]}
 
+    def load_state_dict(self, state: dict) -> None:
+        """Nothing to restore: batch k is a function of k."""
+
+    def bind(self, run) -> None:
+        """Nothing of the run is needed."""
+
 
 @dataclass
 class MixtureSplits:

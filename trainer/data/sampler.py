@@ -47,6 +47,12 @@ class GlobalBatchSampler:
         return {"consumed_batches": consumed_batches, "num_sequences": self.n, "global_batch_size": self.gbs,
                 "seed": self.seed}
 
+    def load_state_dict(self, state: dict) -> None:
+        """Nothing to restore: batch k is a function of k (the run's step)."""
+
+    def bind(self, run) -> None:
+        """Nothing of the run is needed (a followed source waits with the run's stop request: data/follow.py)."""
+
 
 def rank_slice(items: np.ndarray, dp_rank: int, dp_size: int) -> np.ndarray:
     per = len(items) // dp_size

@@ -1,0 +1,341 @@
+"""data.follow=true: train on records appended to a JSONL file, or to the *.jsonl files of a folder, while the
+run is live (a model in service refreshed from new data).
+
+The stream is the records in the order they are read (each file in name order, whole lines only: a line still
+being written waits for its newline), each record's `data.text_field` tokenized and followed by EOS, packed as
+`data=text` packs: sequence windows of `data.seq_len` + 1 tokens, each next one starting at the last token of
+the one before, so every token after the first is a target once. Each global batch takes its fresh sequences from
+the stream's head and, with `data.follow_replay` > 0, that fraction of its rows from records read earlier
+(seeded by the step: the same rows on every rank and after a restart).
+
+Exactly once: what was read (bytes per file) and the tokens read but not yet trained go into every checkpoint
+(the loader state in meta.json); a resumed run continues from there, so no record is trained twice or skipped
+across a kill and restart. `follow.jsonl` in the run directory lists, per step, the records whose last token that
+step trained (file, byte offset), and is cut back to the checkpoint on resume like metrics.jsonl.
+
+Waiting: with too little new data for a step, rank 0 looks at the files every `data.follow_poll_s` seconds and
+tells the other ranks what it saw (one small broadcast per look; no rank spins); a stop signal, or
+`data.follow_idle_timeout_s` without a new record, ends the run with a checkpoint. Records that are not JSON
+objects with a string `data.text_field` are skipped and counted (a live stream does not stop on one bad line).
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import time
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from tessera.errors import DataError
+
+
+READ_BYTES = 4 << 20  # per file and read
+
+
+def _last_line_end(fh, start: int) -> int:
+    """The offset just past the last newline of an open file at or after `start` (`start` if none), read
+    backwards from its end in blocks (a file that grew by a lot is not read whole for it)."""
+    size = fh.seek(0, os.SEEK_END)
+    end = size
+    while end > start:
+        lo = max(start, end - (64 << 10))
+        fh.seek(lo)
+        block = fh.read(end - lo)
+        cut = block.rfind(b"\n")
+        if cut >= 0:
+            return lo + cut + 1
+        end = lo
+    return start
+
+
+def follow_files(path: str) -> List[str]:
+    """The files followed: `path` itself, or the *.jsonl files of the folder `path`, in name order."""
+    if os.path.isdir(path):
+        return sorted(os.path.relpath(f, path) for f in glob.glob(os.path.join(path, "*.jsonl")))
+    return [os.path.basename(path)]
+
+
+class FollowStream:
+    """The records read so far, the tokens not yet trained, and what each rank reads next."""
+
+    def __init__(self, d, tokenizer):
+        self.root = d.path if os.path.isdir(d.path) else os.path.dirname(os.path.abspath(d.path))
+        self.path, self.field, self.tokenizer = d.path, d.text_field, tokenizer
+        self.eos = tokenizer.eos_token_id
+        self.offsets: Dict[str, int] = {}  # file -> bytes read (whole lines)
+        self.buffer = np.empty(0, dtype=np.int64)  # stream tokens from `position` on, not yet trained
+        self.position = 0  # stream index of buffer[0]
+        self.ends: List[list] = []  # [file, byte offset, stream index past its last token] of records in the buffer
+        self.records: Dict[str, List[int]] = {}  # file -> byte offsets of its records read (replay)
+        self.skipped = 0
+
+    # ---- reading --------------------------------------------------------------------------------------------
+    def visible(self) -> Dict[str, int]:
+        """Per file, the end of its last complete line (what may be read now)."""
+        out = {}
+        for name in follow_files(self.path):
+            try:
+                with open(os.path.join(self.root, name), "rb") as fh:
+                    out[name] = _last_line_end(fh, self.offsets.get(name, 0))
+            except FileNotFoundError:
+                continue
+        return out
+
+    def read(self, limits: Dict[str, int]) -> int:
+        """Read the files up to `limits` (whole lines, at most READ_BYTES of each per call: a large file is
+        tokenized as training reaches it), in name order; returns the records read."""
+        n = 0
+        for name in sorted(limits):
+            start, end = self.offsets.get(name, 0), limits[name]
+            if end <= start:
+                continue
+            with open(os.path.join(self.root, name), "rb") as fh:
+                fh.seek(start)
+                chunk = fh.read(min(end - start, READ_BYTES))
+                if start + len(chunk) < end:
+                    cut = chunk.rfind(b"\n")
+                    if cut < 0:  # one line longer than READ_BYTES: all of it
+                        chunk += fh.read(end - start - len(chunk))
+                        chunk = chunk[:chunk.find(b"\n", READ_BYTES - 1) + 1]
+                    else:
+                        chunk = chunk[:cut + 1]
+            offset, texts, where = start, [], []
+            for line in chunk.split(b"\n")[:-1]:
+                text = self._text(line)
+                if text is None:
+                    self.skipped += bool(line.strip())
+                else:
+                    texts.append(text)
+                    where.append(offset)
+                offset += len(line) + 1
+            if texts:
+                ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+                pieces = [np.asarray(list(t) + [self.eos], dtype=np.int64) for t in ids]
+                end_index = self.position + len(self.buffer)
+                for off, piece in zip(where, pieces):
+                    end_index += len(piece)
+                    self.ends.append([name, off, end_index])
+                self.buffer = np.concatenate([self.buffer] + pieces)
+                self.records.setdefault(name, []).extend(where)
+                n += len(texts)
+            self.offsets[name] = start + len(chunk)
+        return n
+
+    def _text(self, line: bytes) -> Optional[str]:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            return None
+        text = record.get(self.field) if isinstance(record, dict) else None
+        return text if isinstance(text, str) and text else None
+
+    def take(self, n: int, seq_len: int):
+        """n fresh sequences from the buffer's head -> (windows [n, seq_len + 1], records finished by them)."""
+        windows = np.stack([self.buffer[i * seq_len: i * seq_len + seq_len + 1] for i in range(n)]) if n else \
+            np.empty((0, seq_len + 1), dtype=np.int64)
+        self.buffer = self.buffer[n * seq_len:]
+        self.position += n * seq_len
+        done = [e for e in self.ends if e[2] <= self.position + 1]  # each last token is now a target
+        self.ends = self.ends[len(done):]
+        return windows, [[name, off] for name, off, _ in done]
+
+    def replayed(self, n: int, seq_len: int, rng: np.random.Generator) -> np.ndarray:
+        """n sequences of records read earlier, each records drawn at random and joined until it is full."""
+        names = sorted(self.records)
+        counts = np.cumsum([len(self.records[f]) for f in names])
+        rows = []
+        for _ in range(n):
+            row: List[int] = []
+            while len(row) < seq_len + 1:
+                i = int(rng.integers(counts[-1]))
+                f = int(np.searchsorted(counts, i, side="right"))
+                name = names[f]
+                off = self.records[name][i - (counts[f - 1] if f else 0)]
+                with open(os.path.join(self.root, name), "rb") as fh:
+                    fh.seek(off)
+                    text = self._text(fh.readline().rstrip(b"\n"))
+                row += self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.eos]
+            rows.append(row[:seq_len + 1])
+        return np.asarray(rows, dtype=np.int64)
+
+    # ---- checkpoint state ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"offsets": dict(self.offsets), "buffer": self.buffer.tolist(), "position": self.position,
+                "ends": [list(e) for e in self.ends], "skipped": self.skipped}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.offsets = {k: int(v) for k, v in state["offsets"].items()}
+        self.buffer = np.asarray(state["buffer"], dtype=np.int64)
+        self.position, self.skipped = int(state["position"]), int(state["skipped"])
+        self.ends = [list(e) for e in state["ends"]]
+        self.records = {}  # the records read before: offsets of the lines up to what was read (replay)
+        for name, end in self.offsets.items():
+            with open(os.path.join(self.root, name), "rb") as fh:
+                chunk = fh.read(end)
+            offset = 0
+            for line in chunk.split(b"\n")[:-1]:
+                if self._text(line) is not None:
+                    self.records.setdefault(name, []).append(offset)
+                offset += len(line) + 1
+
+
+class FollowSequences:
+    """The current step's rows (what `global_batch` returned), read by position like any training split."""
+
+    def __init__(self, seq_len: int):
+        self.seq_len = seq_len
+        self.rows = np.empty((0, seq_len + 1), dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def get(self, positions) -> dict:
+        rows = self.rows[np.asarray(positions, dtype=np.int64)]
+        return {"input_ids": torch.from_numpy(rows[:, :-1].copy()), "labels": torch.from_numpy(rows[:, 1:].copy())}
+
+    def count_targets(self, positions) -> int:
+        return len(positions) * self.seq_len
+
+
+class FollowSampler:
+    """Global batch k: `global_batch_size` rows, the replayed ones first, read from the stream when step k asks
+    for them (waiting for new records if needed). Same interface as data/sampler.GlobalBatchSampler."""
+
+    def __init__(self, stream: FollowStream, train: FollowSequences, d, global_batch_size: int, seed: int):
+        self.stream, self.train, self.d = stream, train, d
+        self.gbs, self.seed, self.seq_len = global_batch_size, seed, d.seq_len
+        self.n_replay = int(round(d.follow_replay * global_batch_size))
+        self.k = None  # the step whose rows `train` holds
+        self.stop = self.watchdog = self.log = None
+        self.log_path = None
+        self.ended = ""  # why the stream ended the run ("" while it goes on)
+
+    def bind(self, run) -> None:
+        """The run's stop request, watchdog and logger; follow.jsonl cut back to the run's step (a resume)."""
+        from trainer.metrics import truncate_jsonl
+
+        self.stop, self.watchdog, self.log = run.stop, run.watchdog, run.logger.info
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            self.log_path = os.path.join(run.run_dir, "follow.jsonl")
+            truncate_jsonl(self.log_path, lambda s: s <= run.step)
+
+    def epoch_of(self, k: int) -> int:
+        return 0
+
+    def global_batch(self, k: int) -> Optional[np.ndarray]:
+        """The rows of step k (None: the run ends: a stop signal or the idle limit while waiting)."""
+        if self.k == k:
+            return np.arange(len(self.train))
+        n_replay = self.n_replay if self.stream.records else 0
+        fresh = self.gbs - n_replay
+        if not self._wait_for(fresh * self.seq_len + 1):
+            return None
+        rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, k])))
+        replay = self.stream.replayed(n_replay, self.seq_len, rng) if n_replay else None
+        windows, done = self.stream.take(fresh, self.seq_len)
+        self.train.rows = windows if replay is None else np.concatenate([replay, windows])
+        self.k = k
+        if self.log_path:
+            with open(self.log_path, "a") as fh:
+                fh.write(json.dumps({"step": k + 1, "records": done, "replayed_rows": n_replay,
+                                     "skipped_records": self.stream.skipped}) + "\n")
+        return np.arange(len(self.train))
+
+    def micro_batches(self, k: int, dp_rank: int, dp_size: int, micro_batch_size: int):
+        from trainer.data.sampler import rank_slice
+
+        local = rank_slice(self.global_batch(k), dp_rank, dp_size)
+        return [local[i:i + micro_batch_size] for i in range(0, len(local), micro_batch_size)]
+
+    def _wait_for(self, tokens: int) -> bool:
+        """Read until the buffer holds `tokens`; every rank reads what rank 0 saw. False: stop instead."""
+        from contextlib import nullcontext
+
+        waited, last_new, told = False, time.monotonic(), False
+        exempt = self.watchdog.exempt("waiting for new records") if self.watchdog is not None else nullcontext()
+        with exempt:
+            while len(self.stream.buffer) < tokens:
+                rank0 = not dist.is_initialized() or dist.get_rank() == 0
+                idle = self.d.follow_idle_timeout_s
+                message = [self.stream.visible() if rank0 else None,
+                           bool(idle and time.monotonic() - last_new > idle) if rank0 else False]
+                if dist.is_initialized() and dist.get_world_size() > 1:
+                    dist.broadcast_object_list(message, src=0)
+                limits, idle_out = message
+                if self.stream.read(limits):
+                    last_new = time.monotonic()
+                    continue
+                if self.stop is not None and self.stop.agreed():
+                    self.ended = "stop"
+                    return False
+                if idle_out:
+                    self.ended = f"data.follow_idle_timeout_s={idle:g}"
+                    if self.log:
+                        self.log(f"no new record in {self.d.path} for {idle:g}s: ending the run")
+                    return False
+                if not told and self.log:
+                    self.log(f"waiting for new records in {self.d.path} ({len(self.stream.buffer)} of {tokens} "
+                             f"tokens for the next step)")
+                    told = True
+                waited = True
+                time.sleep(self.d.follow_poll_s)
+        if waited and self.log:
+            self.log("new records: training goes on")
+        return True
+
+    def state_dict(self, consumed_batches: int) -> dict:
+        return {"consumed_batches": consumed_batches, "follow": self.stream.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "follow" not in state:
+            raise DataError("data.follow=true: the checkpoint has no stream position (it was not saved by a "
+                            "data.follow run); start a new run")
+        self.stream.load_state_dict(state["follow"])
+        self.k = None
+
+
+class FollowData:
+    """DataSplits of a followed source: the current step's rows as the training split, no validation split."""
+
+    def __init__(self, d, tokenizer):
+        from trainer.data.datasets import tokenizer_fingerprint
+
+        self.d, self.tokenizer = d, tokenizer
+        self.train = FollowSequences(d.seq_len)
+        self.val = FollowSequences(d.seq_len)  # empty: every record trains
+        key = json.dumps({"follow": os.path.abspath(d.path), "field": d.text_field, "seq_len": d.seq_len,
+                          "tokenizer": tokenizer_fingerprint(tokenizer)}, sort_keys=True)
+        self.fingerprint = "follow-" + hashlib.sha256(key.encode()).hexdigest()[:16]
+        self.num_tokens = 0
+        self.tasks = ()
+        replay = f", {d.follow_replay:g} of each batch replayed" if d.follow_replay else ""
+        self.description = (f"following {d.path} (records appended while the run is live, each trained once"
+                            f"{replay}); no validation split")
+
+    def sampler(self, global_batch_size: int, seed: int) -> FollowSampler:
+        return FollowSampler(FollowStream(self.d, self.tokenizer), self.train, self.d, global_batch_size, seed)
+
+
+def follow_problems(cfg) -> List[str]:
+    """data.follow=true: what it reads and what it does not run with (before any process group)."""
+    d = cfg.data
+    if not d.follow:
+        return []
+    problems = []
+    if d.kind != "text":
+        problems.append(f"data.follow=true reads JSONL records of text (data.kind=text); data.kind={d.kind} is not "
+                        f"followed")
+    elif not d.path or not (os.path.isdir(d.path) or os.path.isfile(d.path)):
+        problems.append(f"data.follow=true: data.path={d.path!r} does not exist; point it at the JSONL file or the "
+                        f"folder of *.jsonl files that records are appended to")
+    if d.packing != "eos":
+        problems.append("data.follow=true packs records with data.packing=eos; set data.packing=eos")
+    if cfg.eval.every:
+        problems.append(f"data.follow=true has no validation split (every record trains); set eval.every=0 "
+                        f"(got {cfg.eval.every})")
+    return problems
