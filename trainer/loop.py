@@ -28,7 +28,9 @@ def fit(run) -> None:
     flops_tok = flops_per_token(run.num_params - embed_params, info.num_layers, info.hidden_size, cfg.data.seq_len)
     peak = device_peak_tflops(run.device, cfg.logging.peak_tflops)
     if cfg.eval.at_start and run.step == 0:
-        run.logger.eval_record(0, evaluate(run))
+        results = evaluate(run)
+        if results:  # data.follow has no validation split
+            run.logger.eval_record(0, results)
     strategy.model.train()
     # logging.memory_report: probe the first step's model-state memory (trainer/memory.py)
     probe = FirstStepProbe(strategy) if cfg.logging.memory_report else None
@@ -87,7 +89,8 @@ def fit(run) -> None:
                 with run.watchdog.exempt("evaluation"):
                     results = evaluate(run)
                 record.update(results)
-                run.logger.eval_record(run.step, results)
+                if results:
+                    run.logger.eval_record(run.step, results)
                 throughput.exclude(time.perf_counter() - t_eval)
         else:
             record = None

@@ -31,7 +31,7 @@ from tessera.errors import FaultError, TesseraError
 
 LOCK_NAME = ".lock"
 PREVIOUS_PREFIX = "previous-"
-LOGS = ("metrics.jsonl", "eval.jsonl")
+LOGS = ("metrics.jsonl", "eval.jsonl", "follow.jsonl")
 KEPT = (".hydra", LOCK_NAME)  # never moved aside: Hydra's files of this launch, the lock itself
 RANK0_WAIT_S = 2.0  # rank 0 retries its lock this long (another rank's look at the lock takes microseconds)
 OTHER_RANK_WAIT_S = 5.0  # other ranks wait this long for their rank 0 to write the lock's body

@@ -112,6 +112,9 @@ CASES = [
      "is an adapter for another base model (some/llama-h32)"),
     ("lora-with-tensor-parallelism", ["peft=lora", "strategy=tp"], "torchrun-quiet", 2, 2,
      "peft=lora is not available with tensor or pipeline parallelism"),
+    # data.follow: the file or folder records are appended to must exist.
+    ("follow-path-missing", ["data=text", "data.path={tmp}/stream.jsonl", "data.follow=true", "eval.every=0"],
+     "torchrun-quiet", 2, 2, "does not exist; point it at the JSONL file or the folder"),
     # Attention kernels this machine can't train with.
     ("flash-attention-on-cpu", ["model.attn_implementation=flash_attention_2", "train.device=cpu"], "python", 1, 2,
      "model.attn_implementation=flash_attention_2 needs a CUDA device"),

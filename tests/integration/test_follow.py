@@ -55,7 +55,9 @@ def test_appended_records_train_exactly_once_across_a_kill_and_restart(tmp_path)
     data = tmp_path / "stream.jsonl"
     data.write_text(_records(0, 20))
     run = tmp_path / "run"
-    args = _overrides(data, "train.max_steps=400", "checkpoint.every=3", "data.follow_idle_timeout_s=4")
+    # a model in service: a snapshot every 10 steps for readers of snapshots/current
+    args = _overrides(data, "train.max_steps=400", "checkpoint.every=3", "data.follow_idle_timeout_s=4",
+                      "export.snapshot_every=10")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     total = [20]
     done = threading.Event()
@@ -105,6 +107,11 @@ def test_appended_records_train_exactly_once_across_a_kill_and_restart(tmp_path)
     assert len(every) - len(trained) <= 3  # what is left is less than one global batch of tokens
     steps = [r["step"] for r in metrics(run)]
     assert steps == list(range(1, steps[-1] + 1))
+    from transformers import AutoModelForCausalLM
+
+    current = os.path.realpath(run / "snapshots" / "current")
+    assert current.endswith(f"step_{steps[-1] // 10 * 10}")
+    AutoModelForCausalLM.from_pretrained(run / "snapshots" / "current")
 
 
 @pytest.fixture(scope="module")

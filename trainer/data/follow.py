@@ -71,7 +71,7 @@ class FollowStream:
         self.buffer = np.empty(0, dtype=np.int64)  # stream tokens from `position` on, not yet trained
         self.position = 0  # stream index of buffer[0]
         self.ends: List[list] = []  # [file, byte offset, stream index past its last token] of records in the buffer
-        self.records: Dict[str, List[int]] = {}  # file -> byte offsets of its records read (replay)
+        self.records: Dict[str, List[int]] = {}  # file -> byte offsets of its records trained (replay)
         self.skipped = 0
 
     # ---- reading --------------------------------------------------------------------------------------------
@@ -121,7 +121,6 @@ class FollowStream:
                     end_index += len(piece)
                     self.ends.append([name, off, end_index])
                 self.buffer = np.concatenate([self.buffer] + pieces)
-                self.records.setdefault(name, []).extend(where)
                 n += len(texts)
             self.offsets[name] = start + len(chunk)
         return n
@@ -142,6 +141,8 @@ class FollowStream:
         self.position += n * seq_len
         done = [e for e in self.ends if e[2] <= self.position + 1]  # each last token is now a target
         self.ends = self.ends[len(done):]
+        for name, off, _ in done:  # replay draws from trained records only: how far ahead was read never matters
+            self.records.setdefault(name, []).append(off)
         return windows, [[name, off] for name, off, _ in done]
 
     def replayed(self, n: int, seq_len: int, rng: np.random.Generator) -> np.ndarray:
@@ -173,13 +174,15 @@ class FollowStream:
         self.buffer = np.asarray(state["buffer"], dtype=np.int64)
         self.position, self.skipped = int(state["position"]), int(state["skipped"])
         self.ends = [list(e) for e in state["ends"]]
-        self.records = {}  # the records read before: offsets of the lines up to what was read (replay)
+        # the records trained before (replay): those read, less those still (partly) in the buffer
+        pending = {(name, off) for name, off, _ in self.ends}
+        self.records = {}
         for name, end in self.offsets.items():
             with open(os.path.join(self.root, name), "rb") as fh:
                 chunk = fh.read(end)
             offset = 0
             for line in chunk.split(b"\n")[:-1]:
-                if self._text(line) is not None:
+                if (name, offset) not in pending and self._text(line) is not None:
                     self.records.setdefault(name, []).append(offset)
                 offset += len(line) + 1
 
@@ -335,6 +338,10 @@ def follow_problems(cfg) -> List[str]:
                         f"folder of *.jsonl files that records are appended to")
     if d.packing != "eos":
         problems.append("data.follow=true packs records with data.packing=eos; set data.packing=eos")
+    if cfg.strategy.fault_tolerance != "none":
+        problems.append("data.follow=true with strategy.fault_tolerance=torchft is not supported (each replica group "
+                        "would wait for records on its own); use strategy.fault_tolerance=none with "
+                        "train.max_restarts")
     if cfg.eval.every:
         problems.append(f"data.follow=true has no validation split (every record trains); set eval.every=0 "
                         f"(got {cfg.eval.every})")
