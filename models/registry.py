@@ -321,14 +321,6 @@ def pretrained_weights(m, model):
     return PretrainedWeights(m, getattr(model, "base_model_prefix", ""))
 
 
-def tensor_shapes(info: ModelInfo) -> dict:
-    """{name: shape} of the model's state dict, from a model built on the meta device (no memory, no init)."""
-    from models.init import meta_model
-
-    model = meta_model(info.hf_config)
-    return {k: list(v.shape) for k, v in model.state_dict().items()}
-
-
 def count_parameters(model) -> int:
     """All parameters, also when each rank holds only a partition (DeepSpeed's ds_numel is the full size)."""
     from models.lora import full_shape

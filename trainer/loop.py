@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from trainer import comm_bytes
+from trainer.data.datasets import IGNORE
 from trainer.divergence import DivergenceGuard
 from trainer.memory import FirstStepProbe, write_report
 from trainer.metrics import Throughput, device_peak_tflops, flops_per_token, peak_memory_gib
@@ -157,11 +158,19 @@ def _eval_split(run, val):
     n = len(val) if not cfg.eval.max_sequences else min(len(val), cfg.eval.max_sequences)
     if n == 0:
         return None
-    # Every data-parallel rank takes a strided share; ranks may get one sequence more than others.
+    # Every data-parallel rank takes a strided share; ranks may get one sequence more than others. Sharded layouts
+    # (FSDP, ZeRO-3) gather parameters in each forward, so every rank runs as many micro-batches as the one with
+    # most: a rank short of sequences fills its last batch with its first sequence, without targets.
     rank, size = strategy.eval_coordinates
     mine = np.arange(n)[rank::size]
     mbs = cfg.train.micro_batch_size
-    batches = [val.get(mine[i:i + mbs]) for i in range(0, len(mine), mbs)]
+    share = -(-n // size)
+    padded = np.concatenate([mine, np.zeros(share - len(mine), dtype=mine.dtype)])
+    batches = []
+    for i in range(0, share, mbs):
+        batch = val.get(padded[i:i + mbs])
+        batch["labels"][max(0, len(mine) - i):] = IGNORE
+        batches.append(batch)
     strategy.model.eval()
     loss_sum = strategy.eval_loss_sum(batches)
     strategy.model.train()

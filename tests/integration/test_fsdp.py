@@ -177,3 +177,17 @@ def test_fsdp_loads_pretrained_weights_shard_by_shard(generated_data, pretrained
     for rank, share in zip(memory["ranks"], after):
         assert rank["built_params"] == 0, rank  # every parameter on the meta device at construction
         assert 0.45 < share < 0.55, (rank["rank"], share)  # this rank's shard: half the model
+
+
+@pytest.mark.parametrize("launcher,strategy", [("torchrun", "fsdp"), ("deepspeed", "zero3")])
+def test_uneven_validation_shares_evaluate_like_one_process(tmp_path, launcher, strategy):
+    """5 validation sequences over 2 ranks in micro-batches of 2: 2 forwards on one rank, 1 on the other, which
+    left the sharded layouts waiting in a parameter gather; every rank now runs as many (the extra row without
+    targets) and the loss is one process's."""
+    quick = SMALL + ["train.max_steps=1", "train.global_batch_size=4", "train.micro_batch_size=2",
+                     "eval.max_sequences=5", "export.hf_at_end=false", "checkpoint.at_end=false"]
+    ok(launch("python", quick + ["strategy=single"], tmp_path / "single"))
+    ok(launch(launcher, quick + [f"strategy={strategy}"], tmp_path / strategy, nproc=2, timeout=240))
+    ref, got = (json.loads((tmp_path / r / "eval.jsonl").read_text()) for r in ("single", strategy))
+    print(f"uneven eval {strategy}: val loss {got['val_loss']:.7f} vs one process {ref['val_loss']:.7f}")
+    assert abs(got["val_loss"] - ref["val_loss"]) / ref["val_loss"] < 1e-6

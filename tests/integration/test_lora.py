@@ -226,3 +226,31 @@ def test_training_starts_from_an_adapter_folder(generated_data, single, tmp_path
     expected = val_loss(merged, tmp_path / "val", overrides)
     print(f"lora from an adapter folder: step-0 val loss {first['val_loss']:.6f}, merged model's {expected:.6f}")
     assert first["step"] == 0 and rel_err(first["val_loss"], expected) < 1e-5
+
+
+def test_a_fully_trained_module_beside_the_adapters_trains_the_same_sharded(generated_data, tmp_path):
+    """peft.modules_to_save=[embed_tokens]: peft's trained copy of the embedding (a copy of a ZeRO-3 partition, a
+    module FSDP shards) follows one process's curve, and the exports carry it under the base's name."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from safetensors.torch import load_file
+
+    extra = ["peft.modules_to_save=[embed_tokens]", "peft.target_modules=[q_proj,v_proj]", "checkpoint.every=0"]
+    runs = {"single": ("python", 1, ["strategy=single"]), "zero3": LAYOUTS["zero3"], "fsdp": LAYOUTS["fsdp"]}
+
+    def run(name):
+        launcher, nproc, more = runs[name]
+        ok(launch(launcher, _overrides(generated_data, *more, *extra), tmp_path / name, nproc=nproc, timeout=400))
+
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(run, runs))
+    ref = metrics(tmp_path / "single")
+    for name in ("zero3", "fsdp"):
+        check_parity(f"lora + modules_to_save {name}", metrics(tmp_path / name), ref, tol=LORA_TOL, steps=STEPS)
+        adapter = load_file(tmp_path / name / "hf-adapter" / "adapter_model.safetensors")
+        ref_adapter = load_file(tmp_path / "single" / "hf-adapter" / "adapter_model.safetensors")
+        assert "base_model.model.model.embed_tokens.weight" in adapter and sorted(adapter) == sorted(ref_adapter)
+        assert max((adapter[k] - ref_adapter[k]).abs().max().item() for k in adapter) < 1e-5
+    base = load_file(generated_data.model / "model.safetensors")["model.embed_tokens.weight"]
+    merged = load_file(tmp_path / "single" / "hf" / "model.safetensors")["model.embed_tokens.weight"]
+    assert (merged - base).abs().max() > 1e-4  # the trained copy, not the frozen original

@@ -149,3 +149,21 @@ def test_a_checkpoint_of_the_other_kind_or_other_adapters_is_refused():
     assert "holds LoRA adapters only (r=4)" in adapters_only[0] and "set peft=lora" in adapters_only[0]
     other = compatibility_problems({"peft": dict(mine, alpha=16.0)}, cfg, {}, "", True, peft=mine)
     assert "differ from this run's in alpha (checkpoint: alpha=16.0)" in other[0]
+
+
+def test_qlora_is_refused_where_bitsandbytes_has_no_4bit_kernels(compose, monkeypatch):
+    """The 4-bit round trip is tried on the run's device: it works on this CPU; where bitsandbytes raises (a
+    device without kernels, stood in for by a patched quantizer) the run is refused naming the key."""
+    import bitsandbytes.functional as bnbf
+
+    assert lora.quantization_problems(torch.device("cpu")) == []
+
+    def no_kernel(*args, **kwargs):
+        raise NotImplementedError("no 4-bit kernel for this device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(bnbf, "quantize_4bit", no_kernel)
+        problems = lora.quantization_problems(torch.device("cpu"))
+    assert len(problems) == 1 and "peft.quantization=nf4: bitsandbytes has no 4-bit support on cpu" in problems[0]
+    _one(_problems(compose, ["peft=lora", "peft.quantization=nf4", "strategy=zero2"], world_size=2),
+         "(QLoRA) is available with strategy=single or ddp", "strategy=zero2")
