@@ -39,16 +39,15 @@ def checkpoint_export_dtype(path: str) -> str:
     return dtype
 
 
-def export_checkpoint(checkpoint: str, out_dir: str, dtype: str | None = None, adapter_dir: str | None = None) -> str:
+def export_checkpoint(checkpoint: str, out_dir: str, dtype: str | None = None,
+                      adapter_dir: str | None = None) -> tuple:
     """Write the checkpoint's fp32 master weights, cast to `dtype` (None: the run's export.dtype), as an HF
     folder. A peft=lora checkpoint: the merged model there and the adapter into `adapter_dir` (default
-    `<out_dir>-adapter`). Returns the checkpoint folder exported."""
+    `<out_dir>-adapter`). Returns (the checkpoint folder exported, the folders written)."""
     import torch
-    import torch.distributed.checkpoint as dcp
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from trainer import checkpoint as ckpt
-    from trainer.safe_load import SafeFileSystemReader, SafeLoadPlanner
     from trainer.hf_export import write_hf_folder
 
     import transformers
@@ -65,27 +64,38 @@ def export_checkpoint(checkpoint: str, out_dir: str, dtype: str | None = None, a
     config = AutoConfig.from_pretrained(hf_dir)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     if meta.get("peft"):
-        _export_lora(path, meta, config, tokenizer, out_dir, dtype, adapter_dir or out_dir.rstrip("/") + "-adapter")
-        return path
+        adapter_dir = adapter_dir or out_dir.rstrip("/") + "-adapter"
+        _export_lora(path, meta, config, tokenizer, out_dir, dtype, adapter_dir)
+        return path, [out_dir, adapter_dir]
     if meta.get("checkpoint_format") == "deepspeed":
         _export_deepspeed(path, config, tokenizer, out_dir, dtype)
-        return path
+        return path, [out_dir]
     # DCP holds the fp32 master weights: read them into an fp32 model (whatever dtype its config names).
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model = model.to_empty(device="cpu")
     state = {"model": model.state_dict()}
-    try:
-        dcp.load(state, checkpoint_id=path, storage_reader=SafeFileSystemReader(path),
-                 planner=SafeLoadPlanner(), no_dist=True)
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-        raise ckpt.CheckpointError(f"cannot read the model from {path}: {one_line(e)}") from None
+    _read_dcp(state, path, "the model")
     model.load_state_dict(state["model"])
     model.tie_weights()
     write_hf_folder(model, tokenizer, out_dir, dtype=dtype)
-    return path
+    return path, [out_dir]
+
+
+def _read_dcp(state: dict, path: str, what: str) -> None:
+    """Fill `state` from the DCP checkpoint `path` on this one process (its files are read weights-only)."""
+    import torch.distributed.checkpoint as dcp
+
+    from trainer import checkpoint as ckpt
+    from trainer.safe_load import SafeFileSystemReader, SafeLoadPlanner
+
+    try:
+        dcp.load(state, checkpoint_id=path, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(),
+                 no_dist=True)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        raise ckpt.CheckpointError(f"cannot read {what} from {path}: {one_line(e)}") from None
 
 
 def _export_deepspeed(path: str, config, tokenizer, out_dir: str, dtype: str) -> None:
@@ -165,18 +175,7 @@ def _export_lora(path: str, meta: dict, config, tokenizer, out_dir: str, dtype: 
             for n, p in trained.items():
                 p.copy_(saved[n])
     else:
-        import torch.distributed.checkpoint as dcp
-
-        from trainer.safe_load import SafeFileSystemReader, SafeLoadPlanner
-
-        state = {"model": {n: p.detach() for n, p in trained.items()}}
-        try:
-            dcp.load(state, checkpoint_id=path, storage_reader=SafeFileSystemReader(path),
-                     planner=SafeLoadPlanner(), no_dist=True)
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-            raise ckpt.CheckpointError(f"cannot read the adapters from {path}: {one_line(e)}") from None
+        _read_dcp({"model": {n: p.detach() for n, p in trained.items()}}, path, "the adapters")  # in place
     adapter = {}
     config = copy.deepcopy(config)
     if hasattr(config, "quantization_config"):
@@ -204,7 +203,8 @@ def main(argv=None) -> int:
         print(f"error: the export folder {args.out_dir}: {why}; pass a writable out_dir", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
-        path = export_checkpoint(args.checkpoint, args.out_dir, dtype=args.dtype, adapter_dir=args.adapter_dir)
+        path, written = export_checkpoint(args.checkpoint, args.out_dir, dtype=args.dtype,
+                                          adapter_dir=args.adapter_dir)
     except TesseraError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
@@ -214,7 +214,7 @@ def main(argv=None) -> int:
             raise
         print(f"error: {message}", file=sys.stderr)
         return EXIT_FAULT
-    print(f"exported {path} to {os.path.abspath(args.out_dir)}")
+    print(f"exported {path} to {' and '.join(os.path.abspath(w) for w in written)}")
     return 0
 
 

@@ -160,7 +160,6 @@ def activation_bytes(cfg, info, dims, layers_here: int) -> float:
 
 
 def estimate(cfg, world_size: int, info, counts: Optional[Counts] = None) -> Estimate:
-    from models.init import meta_model
     from trainer import build as B
     from tessera.errors import ConfigError
     from trainer.parallel import ParallelDims
