@@ -48,6 +48,18 @@ def test_only_whole_lines_are_read_and_bad_records_are_counted(tmp_path, tokeniz
     assert stream.read(stream.visible()) == 1
 
 
+def test_a_file_shorter_than_what_was_read_is_an_error(tmp_path, tokenizer):
+    from tessera.errors import DataError
+
+    path = tmp_path / "s.jsonl"
+    path.write_text(_line(0) + _line(1))
+    stream = FollowStream(_data(path), tokenizer)
+    stream.read(stream.visible())
+    path.write_text(_line(5))  # rotated: a new, shorter file under the same name
+    with pytest.raises(DataError, match="was truncated or replaced"):
+        stream.visible()
+
+
 def test_large_files_are_read_in_pieces_of_whole_lines(tmp_path, tokenizer, monkeypatch):
     monkeypatch.setattr(follow, "READ_BYTES", 100)
     path = tmp_path / "big.jsonl"

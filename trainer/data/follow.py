@@ -76,14 +76,21 @@ class FollowStream:
 
     # ---- reading --------------------------------------------------------------------------------------------
     def visible(self) -> Dict[str, int]:
-        """Per file, the end of its last complete line (what may be read now)."""
+        """Per file, the end of its last complete line (what may be read now). A file shorter than what was read
+        of it (truncated, or replaced by another) is an error: only appended records are followed."""
         out = {}
         for name in follow_files(self.path):
             try:
                 with open(os.path.join(self.root, name), "rb") as fh:
+                    size = fh.seek(0, os.SEEK_END)
+                    if size < self.offsets.get(name, 0):
+                        raise DataError(f"data.follow: {os.path.join(self.root, name)} has {size} bytes, fewer than "
+                                        f"the {self.offsets[name]} already read: it was truncated or "
+                                        f"replaced. Only appended records are followed; append to it, or write new "
+                                        f"records to a new file of the folder")
                     out[name] = _last_line_end(fh, self.offsets.get(name, 0))
             except FileNotFoundError:
-                continue
+                continue  # gone: what was read of it is trained, nothing more comes from it
         return out
 
     def read(self, limits: Dict[str, int]) -> int:
@@ -265,11 +272,17 @@ class FollowSampler:
             while len(self.stream.buffer) < tokens:
                 rank0 = not dist.is_initialized() or dist.get_rank() == 0
                 idle = self.d.follow_idle_timeout_s
-                message = [self.stream.visible() if rank0 else None,
-                           bool(idle and time.monotonic() - last_new > idle) if rank0 else False]
+                message = [None, False, None]
+                if rank0:
+                    try:
+                        message = [self.stream.visible(), bool(idle and time.monotonic() - last_new > idle), None]
+                    except DataError as e:
+                        message[2] = str(e)  # every rank stops with it, none waits in the broadcast
                 if dist.is_initialized() and dist.get_world_size() > 1:
                     dist.broadcast_object_list(message, src=0)
-                limits, idle_out = message
+                limits, idle_out, problem = message
+                if problem:
+                    raise DataError(problem)
                 if self.stream.read(limits):
                     last_new = time.monotonic()
                     continue
