@@ -14,6 +14,7 @@ merged model (W + alpha/r B A, what `merge_and_unload` computes) and writes the 
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -80,18 +81,14 @@ def linear_names(model: nn.Module) -> List[str]:
     return sorted(found)
 
 
-class _quiet_peft:
+@contextlib.contextmanager
+def _quiet_peft():
     """peft warns when it sets fan_in_fan_out for GPT-2's Conv1D itself: expected here, not the user's concern."""
+    import warnings
 
-    def __enter__(self):
-        import warnings
-
-        self._ctx = warnings.catch_warnings()
-        self._ctx.__enter__()
+    with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*fan_in_fan_out.*")
-
-    def __exit__(self, *exc):
-        return self._ctx.__exit__(*exc)
+        yield
 
 
 def base_name(name: str) -> Optional[str]:
