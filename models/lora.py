@@ -230,7 +230,7 @@ class Adapters:
         delta = (b.float() @ a.float()) * scaling
         if fan_in_fan_out:
             delta = delta.T
-        return (w.float() + delta.to(w.device)).to(w.dtype if w.is_floating_point() else torch.float32)
+        return (w.float() + delta.to(w.device)).to(w.dtype)  # full_tensors gives 4-bit weights dequantized
 
     def check_adapter_folder(self, folder: str) -> List[str]:
         """Problems of starting from the adapter in `folder`: it must hold exactly this model's adapters, with

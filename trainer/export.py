@@ -125,37 +125,25 @@ def _export_lora(path: str, meta: dict, config, tokenizer, out_dir: str, dtype: 
     """A LoRA checkpoint holds the adapters only: the base is built again as the run built it (the pretrained
     folder named by its config.yaml, in 4 bits for QLoRA, or the seeded preset), the adapters are read into it, and
     the merged model and the adapter are written as the run's own export writes them."""
-    import copy
     from types import SimpleNamespace
 
     import torch
     from omegaconf import OmegaConf
-    from transformers import AutoModelForCausalLM
 
-    from models import lora
-    from models.init import copy_full_tensors, initial_weights
+    from models import lora, registry
+    from tessera.errors import ModelError
     from trainer import checkpoint as ckpt
-    from trainer.hf_export import write_adapter_folder, write_hf_folder_streaming
+    from trainer.hf_export import dense_config, write_adapter_folder, write_hf_folder_streaming
 
     run = OmegaConf.load(os.path.join(path, "config.yaml"))
-    m = run.model
-    if m.kind == "hf":
-        kwargs = {}
-        if OmegaConf.select(run, "peft.quantization") == "nf4":
-            from transformers import BitsAndBytesConfig
-
-            kwargs = dict(device_map={"": "cpu"}, quantization_config=BitsAndBytesConfig(
-                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                bnb_4bit_compute_dtype=torch.float32))
-        try:
-            model = AutoModelForCausalLM.from_pretrained(m.name_or_path, revision=m.revision, dtype=torch.float32,
-                                                         weights_only=True, **kwargs)
-        except Exception as e:  # noqa: BLE001 - the base is gone or unreadable
-            raise ckpt.CheckpointError(f"{path} holds LoRA adapters only and its base model {m.name_or_path} "
-                                       f"cannot be read ({one_line(e)}); the base is needed to export") from None
-    else:
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        copy_full_tensors(model, initial_weights(config, int(run.train.seed)))
+    config = dense_config(config)  # QLoRA: quantized again as the run did (registry.build); written dense
+    try:
+        model = registry.build(run.model, SimpleNamespace(hf_config=config), seed=int(run.train.seed),
+                               quantization=OmegaConf.select(run, "peft.quantization", default="none"),
+                               quantize_on="cpu")
+    except ModelError as e:  # the base is gone or unreadable
+        raise ckpt.CheckpointError(f"{path} holds LoRA adapters only, and the base model they adapt cannot be "
+                                   f"built again ({e}); the base is needed to export") from None
     adapters = lora.inject(model, SimpleNamespace(adapter=os.path.join(path, "hf_config")))
     trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
     if meta.get("checkpoint_format") == "deepspeed":
@@ -177,12 +165,9 @@ def _export_lora(path: str, meta: dict, config, tokenizer, out_dir: str, dtype: 
     else:
         _read_dcp({"model": {n: p.detach() for n, p in trained.items()}}, path, "the adapters")  # in place
     adapter = {}
-    config = copy.deepcopy(config)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
     write_hf_folder_streaming(config, tokenizer, out_dir, adapters.export_streams(lora.full_tensors(model), adapter),
                               writer=True, dtype=dtype)
-    write_adapter_folder(adapters, adapter_dir, adapter, m.name_or_path)
+    write_adapter_folder(adapters, adapter_dir, adapter, run.model.name_or_path)
 
 
 def main(argv=None) -> int:

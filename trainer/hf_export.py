@@ -146,6 +146,17 @@ def replace_folder(tmp: str, out_dir: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def dense_config(config):
+    """A copy of a model's config without bitsandbytes' quantization_config (QLoRA): the config of the merged,
+    dense model that the export writes."""
+    import copy
+
+    config = copy.deepcopy(config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    return config
+
+
 def write_adapter_folder(adapters, folder: str, tensors: dict, base_name_or_path) -> None:
     """A PEFT adapter folder (adapter_config.json + adapter_model.safetensors, as PeftModel.save_pretrained
     writes it) of `adapters` (models.lora.Adapters) with `tensors` under PEFT's keys; atomic like write_hf_folder."""

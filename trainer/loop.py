@@ -160,7 +160,7 @@ def _eval_split(run, val):
         return None
     # Every data-parallel rank takes a strided share; ranks may get one sequence more than others. Sharded layouts
     # (FSDP, ZeRO-3) gather parameters in each forward, so every rank runs as many micro-batches as the one with
-    # most: a rank short of sequences fills its last batch with its first sequence, without targets.
+    # most: a rank short of sequences fills its last batch with the split's first sequence, without targets.
     rank, size = strategy.eval_coordinates
     mine = np.arange(n)[rank::size]
     mbs = cfg.train.micro_batch_size

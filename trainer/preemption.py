@@ -60,12 +60,15 @@ class StopRequest:
         local = self.signum is not None or bool(self.reason)
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return local
-        flag = torch.tensor([1 if local else 0], dtype=torch.int32)
+        # 2: a rank's own limit (request), 1: a signal; a rank that has neither stops for the highest
+        flag = torch.tensor([2 if self.reason else 1 if local else 0], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        stop = bool(flag.item())
-        if stop and self.signum is None and not self.reason:
+        seen = int(flag.item())
+        if seen == 2 and not local:
+            self.reason = "another rank's limit (train.max_time_s)"
+        elif seen and not local:
             self.signum = signal.SIGTERM
-        return stop
+        return bool(seen)
 
     def restore(self) -> None:
         for s, handler in self._previous.items():

@@ -1,11 +1,13 @@
-"""One rank of test_preemption's agreement test: a real SIGTERM reaches this rank only, at a chosen step."""
+"""One rank of test_preemption's agreement tests: a real SIGTERM (or a limit of its own) reaches this rank only, at
+a chosen step."""
 from __future__ import annotations
 
 import os
 import signal
 
 
-def run(rank: int, world_size: int, store_path: str, signal_rank: int, signal_step: int, steps: int, results):
+def run(rank: int, world_size: int, store_path: str, signal_rank: int, signal_step: int, steps: int, results,
+        how: str = "signal"):
     import torch.distributed as dist
 
     from trainer.preemption import StopRequest
@@ -16,7 +18,10 @@ def run(rank: int, world_size: int, store_path: str, signal_rank: int, signal_st
         seen = []
         for step in range(1, steps + 1):
             if rank == signal_rank and step == signal_step:
-                os.kill(os.getpid(), signal.SIGTERM)  # the handler only sets the flag
+                if how == "signal":
+                    os.kill(os.getpid(), signal.SIGTERM)  # the handler only sets the flag
+                else:
+                    stop.request("train.max_time_s")  # a rank's own limit, as the loop asks for it
             seen.append(stop.agreed())
         results[rank] = {"agreed": seen, "name": stop.name, "own_group": stop.group is not None}
         stop.restore()

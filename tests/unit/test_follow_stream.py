@@ -99,11 +99,11 @@ def test_the_checkpoint_state_continues_the_same_stream_and_replay(tmp_path, tok
     (folder / "a.jsonl").write_text("".join(_line(i) for i in range(20)))
     (folder / "b.jsonl").write_text("".join(_line(i) for i in range(20, 40)))
     (folder / "ignored.txt").write_text("not followed\n")
-    first = FollowStream(_data(folder), tokenizer)
+    first = FollowStream(_data(folder, follow_replay=0.5), tokenizer)  # replay: the trained records are kept
     first.read(first.visible())
     first.take(4, SEQ)
     state = json.loads(json.dumps(first.state_dict()))  # as meta.json carries it
-    second = FollowStream(_data(folder), tokenizer)
+    second = FollowStream(_data(folder, follow_replay=0.5), tokenizer)
     second.load_state_dict(state)
     assert second.records == first.records  # replay history: the trained records, rebuilt from the files
     rng = lambda: np.random.Generator(np.random.PCG64(3))  # noqa: E731

@@ -64,6 +64,7 @@ class FollowStream:
     """The records read so far, the tokens not yet trained, and what each rank reads next."""
 
     def __init__(self, d, tokenizer):
+        self.replays = d.follow_replay > 0  # keep the trained records' offsets (they only serve replay)
         self.root = d.path if os.path.isdir(d.path) else os.path.dirname(os.path.abspath(d.path))
         self.path, self.field, self.tokenizer = d.path, d.text_field, tokenizer
         self.eos = tokenizer.eos_token_id
@@ -146,10 +147,13 @@ class FollowStream:
             np.empty((0, seq_len + 1), dtype=np.int64)
         self.buffer = self.buffer[n * seq_len:]
         self.position += n * seq_len
-        done = [e for e in self.ends if e[2] <= self.position + 1]  # each last token is now a target
-        self.ends = self.ends[len(done):]
-        for name, off, _ in done:  # replay draws from trained records only: how far ahead was read never matters
-            self.records.setdefault(name, []).append(off)
+        finished = 0  # records whose last token is now a target (`ends` is in stream order)
+        while finished < len(self.ends) and self.ends[finished][2] <= self.position + 1:
+            finished += 1
+        done, self.ends = self.ends[:finished], self.ends[finished:]
+        if self.replays:  # replay draws from trained records only: how far ahead was read never matters
+            for name, off, _ in done:
+                self.records.setdefault(name, []).append(off)
         return windows, [[name, off] for name, off, _ in done]
 
     def replayed(self, n: int, seq_len: int, rng: np.random.Generator) -> np.ndarray:
@@ -184,14 +188,14 @@ class FollowStream:
         # the records trained before (replay): those read, less those still (partly) in the buffer
         pending = {(name, off) for name, off, _ in self.ends}
         self.records = {}
-        for name, end in self.offsets.items():
+        for name, end in self.offsets.items() if self.replays else ():
             with open(os.path.join(self.root, name), "rb") as fh:
-                chunk = fh.read(end)
-            offset = 0
-            for line in chunk.split(b"\n")[:-1]:
-                if (name, offset) not in pending and self._text(line) is not None:
-                    self.records.setdefault(name, []).append(offset)
-                offset += len(line) + 1
+                offset = 0
+                while offset < end:  # line by line: a long history is never read into memory at once
+                    line = fh.readline()
+                    if (name, offset) not in pending and self._text(line.rstrip(b"\n")) is not None:
+                        self.records.setdefault(name, []).append(offset)
+                    offset += len(line)
 
 
 class FollowSequences:
@@ -223,7 +227,6 @@ class FollowSampler:
         self.k = None  # the step whose rows `train` holds
         self.stop = self.watchdog = self.log = None
         self.log_path = None
-        self.ended = ""  # why the stream ended the run ("" while it goes on)
 
     def bind(self, run) -> None:
         """The run's stop request, watchdog and logger; follow.jsonl cut back to the run's step (a resume)."""
@@ -287,10 +290,8 @@ class FollowSampler:
                     last_new = time.monotonic()
                     continue
                 if self.stop is not None and self.stop.agreed():
-                    self.ended = "stop"
                     return False
                 if idle_out:
-                    self.ended = f"data.follow_idle_timeout_s={idle:g}"
                     if self.log:
                         self.log(f"no new record in {self.d.path} for {idle:g}s: ending the run")
                     return False

@@ -3,7 +3,6 @@ step, gradient-norm computation and state/export specifics. The training loop ta
 """
 from __future__ import annotations
 
-import copy
 import os
 import shutil
 import sys
@@ -561,14 +560,11 @@ class Strategy:
 
     def write_exports(self, config, tokenizer, out_dir: str, adapter_dir: Optional[str], named) -> List[str]:
         """The merged model streamed into `out_dir` from `named` (full_tensors), the adapter into `adapter_dir`."""
-        from trainer.hf_export import write_adapter_folder, write_hf_folder_streaming
+        from trainer.hf_export import dense_config, write_adapter_folder, write_hf_folder_streaming
 
         writer = not dist.is_initialized() or dist.get_rank() == 0
         adapter = {}
-        config = copy.deepcopy(config)
-        if hasattr(config, "quantization_config"):  # QLoRA: the merged model is written dense
-            del config.quantization_config
-        write_hf_folder_streaming(config, tokenizer, out_dir, self.adapters.export_streams(named, adapter), writer,
+        write_hf_folder_streaming(dense_config(config), tokenizer, out_dir, self.adapters.export_streams(named, adapter), writer,
                                   dtype=self.cfg.export.dtype)
         if writer and adapter_dir:
             write_adapter_folder(self.adapters, adapter_dir, adapter, self.cfg.model.name_or_path)
