@@ -69,7 +69,7 @@ def inject(model: nn.Module, p, base_name_or_path: Optional[str] = None) -> "Ada
                 raise ModelError(f"peft.target_modules={list(p.target_modules)} matches no module of "
                                  f"{model.config.model_type}; its linear layers: {', '.join(linear_names(model))}"
                                  ) from None
-            raise ModelError(f"peft: {e}") from None
+            raise ModelError(f"peft: {one_line(e)}") from None
     return Adapters(model)
 
 
@@ -238,7 +238,7 @@ class Adapters:
         try:
             saved = read_adapter_shapes(folder)
         except (OSError, ValueError) as e:
-            return [f"peft.adapter={folder!r}: cannot read its weights ({e})"]
+            return [f"peft.adapter={folder!r}: cannot read its weights ({one_line(e)})"]
         mine = {adapter_key(n): self.shapes[n] for n in self.trainable}
         missing = sorted(set(mine) - set(saved))
         extra = sorted(set(saved) - set(mine))
@@ -335,15 +335,15 @@ def quantization_problems(device: torch.device) -> List[str]:
     try:
         import bitsandbytes.functional as bnbf
     except Exception as e:  # noqa: BLE001 - not installed, or no build for this platform
-        return [f"peft.quantization=nf4 needs bitsandbytes, which does not load here ({type(e).__name__}: "
-                f"{str(e)[:120]}); pip install bitsandbytes, or set peft.quantization=none"]
+        return [f"peft.quantization=nf4 needs bitsandbytes, which does not load here ({one_line(e)[:160]}); "
+                f"pip install bitsandbytes, or set peft.quantization=none"]
     try:
         x = torch.randn(64, 64, device=device)
         packed, state = bnbf.quantize_4bit(x, quant_type="nf4")
         bnbf.dequantize_4bit(packed, state)
     except Exception as e:  # noqa: BLE001 - bitsandbytes has no 4-bit kernels for this device
-        return [f"peft.quantization=nf4: bitsandbytes has no 4-bit support on {device} ({type(e).__name__}: "
-                f"{str(e)[:120]}); use a device it supports (CUDA; the CPU with a recent bitsandbytes), or "
+        return [f"peft.quantization=nf4: bitsandbytes has no 4-bit support on {device} ({one_line(e)[:160]}); "
+                f"use a device it supports (CUDA; the CPU with a recent bitsandbytes), or "
                 f"peft.quantization=none"]
     return []
 

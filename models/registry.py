@@ -13,7 +13,7 @@ from typing import Callable, Dict
 
 import torch
 
-from tessera.errors import ModelError
+from tessera.errors import ModelError, one_line
 
 VOCAB_MULTIPLE = 8  # presets pad the embedding table so that later tensor-parallel splits divide it
 
@@ -122,7 +122,8 @@ def load_message(what: str, name: str, e: Exception) -> str:
         return f"cannot load the {what} from the local folder {name!r}: {first}"
     if name.startswith(("/", ".", "~")) or name.count("/") > 1:
         return f"{name!r}: no such folder"
-    return f"{name!r} is not a local folder, and loading it as a hub id failed: {first}"
+    return (f"{name!r} is not a local folder, and loading it as a hub id failed: {first.rstrip('.')}; "
+            f"without hub access, give a local folder instead (a copy of the hub repository)")
 
 
 register(ModelSpec("llama", _llama_config, pretrained=False))
@@ -170,8 +171,7 @@ def describe(m, tokenizer) -> ModelInfo:
     except ModelError:
         raise
     except Exception as e:  # noqa: BLE001 - transformers' config validation: report it as a model problem
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelError(f"model: the {m.kind} config from model.* is invalid: {first}") from None
+        raise ModelError(f"model: the {m.kind} config from model.* is invalid: {one_line(e)}") from None
     if get_spec(m.kind).pretrained:
         _require_causal_decoder(m, hf_config)
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
@@ -237,8 +237,7 @@ def attention_problems(cfg, info: ModelInfo) -> list:
     try:
         meta_model(info.hf_config)
     except Exception as e:  # noqa: BLE001 - transformers raises ValueError / ImportError with long messages
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        first = first.split(" Please request")[0]  # transformers' advice to file an issue is not for the user
+        first = one_line(e).split(" Please request")[0]  # transformers' advice to file an issue is not for the user
         return [f"model.attn_implementation={impl} can't be used with this model here: {first}"]
     return []
 

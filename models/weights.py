@@ -19,7 +19,7 @@ from typing import Dict, List, Optional
 import torch
 
 from models.checkpoint_keys import Source, model_sources
-from tessera.errors import ModelError
+from tessera.errors import ModelError, one_line
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ class PretrainedWeights:
                 model = meta_model(config)
             sources, aliases = model_sources(model, self._files)
         except Exception as e:  # noqa: BLE001 - no mapping is the behaviour of before: keys as they are
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            first = one_line(e)
             log.warning("model.name_or_path=%r: transformers' key mapping is not available (%s); reading the "
                         "checkpoint keys as they are", self.name_or_path, first)
             return None

@@ -11,7 +11,7 @@ from typing import Iterable
 
 import torch
 
-from tessera.errors import CheckpointError
+from tessera.errors import CheckpointError, one_line
 
 
 def refusal(e: BaseException) -> str:
@@ -22,7 +22,7 @@ def refusal(e: BaseException) -> str:
         return f"it refers to {m.group(1)}, which such a file never holds"
     lines = [line.strip() for line in text.splitlines() if line.strip() and "weights_only" not in line
              and "Weights only load failed" not in line]
-    return lines[0][:300] if lines else type(e).__name__
+    return one_line(e, lines[0] if lines else "")
 
 
 def load_tensors(path: str, what: str = "checkpoint file", error=None, extra_globals: Iterable = (), **kwargs):

@@ -308,7 +308,7 @@ def close(run: Optional[Run], graceful: bool = True) -> None:
         if run.checkpointer is not None and graceful:
             run.checkpointer.close()
         run.logger.close()
-        run.watchdog.close()
+        run.watchdog.close(ended=graceful)  # peers still finishing do not take this rank's silence for a fault
         run.strategy.close()
         run.scheduler = run.checkpointer = None  # the checkpointer holds the scheduler too
     gc.collect()

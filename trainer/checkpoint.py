@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from tessera.errors import CheckpointError, CheckpointSaveError, TesseraError, one_line
+from trainer.cli import fault_message
 
 COMPLETE = "COMPLETE.json"
 KEEP = "KEEP.json"  # a pinned checkpoint (e.g. the last finite one before divergence): never rotated away
@@ -106,7 +107,7 @@ def read_meta(path: str) -> dict:
         with open(os.path.join(path, COMPLETE)) as fh:
             meta["_complete"] = json.load(fh)
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {path} is unreadable ({e}); resume from another one") from None
+        raise CheckpointError(f"checkpoint {path} is unreadable ({one_line(e)}); resume from another one") from None
     if damaged_files(path, meta, ["meta.json", "config.yaml"]):
         raise CheckpointError(f"checkpoint {path} is damaged: meta.json or config.yaml differs from what was "
                               f"saved (checksum); resume from another one")
@@ -359,9 +360,11 @@ def _save_failure(e: BaseException, folder: str) -> str:
         try:
             free = shutil.disk_usage(folder if os.path.isdir(folder) else os.path.dirname(folder)).free
         except OSError:
-            return reason
-        if free < 1 << 20:
-            reason = f"No space left on device ({free // 1024} KiB free under {os.path.dirname(folder)}; {reason})"
+            free = None
+        if free is not None and free < 1 << 20:
+            return f"No space left on device ({free // 1024} KiB free under {os.path.dirname(folder)}; {reason})"
+        # a peer gone or a collective timed out (DCP's gathers): which rank went silent, and what to do
+        reason = fault_message(e) or reason
     return reason
 
 

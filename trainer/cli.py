@@ -3,13 +3,15 @@ for all ranks, and turning user errors into one message and a non-zero exit."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 import time
 from contextlib import contextmanager
 
 from omegaconf import OmegaConf
 
-from tessera.errors import TesseraError
+from tessera.errors import EXIT_BAD_INPUT, EXIT_FAULT, TesseraError, one_line
 
 
 def sanitize_argv(argv: list) -> list:
@@ -108,10 +110,9 @@ def run_dir_preflight(argv) -> None:
         if arg.startswith("hydra.run.dir="):
             folder = arg.split("=", 1)[1]
             why = unwritable(folder) if folder and "${" not in folder else None
-            if why:
-                print(f"error: hydra.run.dir={folder}: {why}; set hydra.run.dir to a writable folder",
-                      file=sys.stderr, flush=True)
-                sys.exit(2)
+            if why:  # every rank is given the same folder
+                exit_with(f"hydra.run.dir={folder}: {why}; set hydra.run.dir to a writable folder", EXIT_BAD_INPUT,
+                          same_on_every_rank=True)
 
 
 NOISE = ("object_type", "reference_type", "full_key", "provider=", "To append to your config")
@@ -125,6 +126,7 @@ def check_overrides(argv) -> None:
     if any(a.startswith("-") for a in overrides):
         return
     from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
@@ -134,6 +136,9 @@ def check_overrides(argv) -> None:
     register_configs()
     conf_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
     try:
+        # hydra.* overrides are not composed here, but one that does not parse (hydra.run.dir=a=b) would make
+        # Hydra exit 1 with its own report
+        OverridesParser.create().parse_overrides([o for o in overrides if o.startswith("hydra.")])
         with initialize_config_dir(config_dir=conf_dir, version_base=None):
             compose(config_name="config", overrides=[o for o in overrides if not o.startswith("hydra.")])
     except (HydraException, OmegaConfBaseException, ValueError) as e:
@@ -146,31 +151,26 @@ def check_overrides(argv) -> None:
                 if line and line not in lines and not line.startswith(NOISE) and "$VALUE" not in line \
                         and line != "None" and not line.startswith("invalid literal"):
                     lines.append(line)
-        detail = "; ".join(lines).replace(":;", ":")
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: the command line does not compose: {detail} (the keys are in trainer/config.py; "
-                  f"`python trainer/main.py --cfg job` prints the whole config)", file=sys.stderr, flush=True)
-        sys.exit(2)
+        detail = "; ".join(lines).replace(":;", ":") or one_line(e)
+        if getattr(e, "override", None):  # a parse error: name the override (a value with = or spaces needs quotes)
+            detail = f"{e.override!r} does not parse ({detail}); quote a value that holds '=' or spaces: key='a=b'"
+        exit_with(f"the command line does not compose: {detail} (the keys are in trainer/config.py; "
+                  f"`python trainer/main.py --cfg job` prints the whole config)", EXIT_BAD_INPUT,
+                  same_on_every_rank=True)
 
 
 @contextmanager
 def user_errors():
     """A TesseraError (bad config, data, model, checkpoint, launch) exits with its code and message only.
-    Rank 0 prints it; other ranks print it only when it may differ from rank 0's (`same_on_every_rank`).
+    Rank 0 prints it; other ranks print it when it may differ from rank 0's, and one every rank meets from the
+    same input (`same_on_every_rank`) only when rank 0 did not end the job first (exit_with).
     Known runtime faults raised inside torch.distributed (a peer gone, a collective timed out) or by the OS (disk
     full, read-only, permission denied) become one line naming the cause and the key or path, exit code 4.
     Anything else is a bug and keeps its traceback. TESSERA_DEBUG=1 prints the traceback of translated errors."""
-    from tessera.errors import EXIT_FAULT
-
-    rank = int(os.environ.get("RANK", "0"))
-    prefix = f"[rank {rank}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
     try:
         yield
     except TesseraError as e:
-        if rank == 0 or not e.same_on_every_rank:
-            _debug_traceback()
-            print(f"{prefix}error: {e}", file=sys.stderr, flush=True)
-        sys.exit(e.exit_code)
+        exit_with(str(e), e.exit_code, e.same_on_every_rank)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr, flush=True)
         sys.exit(130)
@@ -178,16 +178,49 @@ def user_errors():
         message = fault_message(e)
         if message is None:
             raise
-        _debug_traceback()
-        print(f"{prefix}error: {message}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_FAULT)
+        exit_with(message, EXIT_FAULT, same_on_every_rank=False)
 
 
-def _debug_traceback() -> None:
-    if os.environ.get("TESSERA_DEBUG", "") not in ("", "0"):
-        import traceback
+def exit_with(message: str, code: int, same_on_every_rank: bool) -> None:
+    """Print `error: <message>` (`[rank N] ` first in a job of several ranks) and exit with `code`. An error
+    every rank reaches from the same input is printed once, by rank 0: another rank first waits for rank 0 to
+    end the job (await_rank0) and prints it only if rank 0 did not."""
+    rank = int(os.environ.get("RANK", "0"))
+    if rank != 0 and same_on_every_rank:
+        await_rank0(code)
+    debug_traceback()
+    prefix = f"[rank {rank}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    print(f"{prefix}error: {message}", file=sys.stderr, flush=True)
+    sys.exit(code)
 
-        traceback.print_exc()
+
+def await_rank0(code: int) -> None:
+    """A rank other than 0 that met an error every rank meets: rank 0 prints it and exits with its code, and the
+    launcher (torchrun's agent, DeepSpeed's launch.py) then stops this rank. Exiting first would instead make the
+    launcher stop rank 0, perhaps before it printed anything. So: wait up to TESSERA_RANK0_WAIT_S seconds
+    (default 10), a SIGTERM / SIGINT ending this process at once, silently, with `code`; returns when rank 0 did
+    not end the job (it did not meet this error: another node's files, a launcher that does not stop the others)."""
+    def stopped(*_):
+        sys.stdout.flush()
+        os._exit(code)  # nothing left to save or release: this rank never trained
+
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, stopped)
+    time.sleep(float(os.environ.get("TESSERA_RANK0_WAIT_S", "10")))
+
+
+def debug_traceback() -> None:
+    """TESSERA_DEBUG=1: the traceback of the exception being handled, and of the one its message was made from
+    (raised `from None`, which a plain traceback would hide)."""
+    if os.environ.get("TESSERA_DEBUG", "") in ("", "0"):
+        return
+    import traceback
+
+    e = sys.exc_info()[1]
+    if e is not None and e.__suppress_context__ and e.__context__ is not None:
+        traceback.print_exception(e.__context__)
+    traceback.print_exc()
 
 
 _DISK_ERRNOS = {"ENOSPC": "the disk is full", "EDQUOT": "the disk quota is exceeded",
@@ -226,7 +259,7 @@ def fault_message(e: BaseException):
     dist_error = _is_dist_error(e)
     if not (dist_error or (isinstance(e, RuntimeError) and any(m in text for m in _DIST_MARKERS))):
         return None
-    first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+    first = one_line(e)
     detail = first[first.rfind("] ") + 2:] if "] " in first else first  # past gloo's [file:line] prefixes
     detail = detail.split(". This is typically")[0][:200]
     watch = getattr(sys.modules.get("trainer.watchdog"), "active", lambda: None)()
@@ -237,7 +270,7 @@ def fault_message(e: BaseException):
     if any(p in text for p in _TIMED_OUT):
         timeout = getattr(sys.modules.get("trainer.parallel"), "COLLECTIVE_TIMEOUT_S", None)
         limit = f"train.collective_timeout_s={timeout:g}" if timeout else "train.collective_timeout_s"
-        who = (f"after step {watch.step}; {watch.who_stalled()}" if watch is not None
+        who = (f"{watch.where()} (this rank); {watch.who_stalled()}" if watch is not None
                else f"{_peer()} stopped responding (stalled, stopped or much slower)")
         return (f"a collective timed out after {limit} seconds ({detail}) {who}; check it, or raise "
                 f"train.collective_timeout_s if a step legitimately takes longer")

@@ -71,11 +71,11 @@ class DataConfig:
     kind: str = documented("embedded", "embedded (generated in code, no files), text (local text / JSON(L) / "
                                        "parquet), hub (a hub dataset by name) or sft (instruction data).")
     path: Optional[str] = documented(None, "kind=text or sft: a file, folder or glob, or several separated by "
-                                           "commas.")
-    name: Optional[str] = documented(None, "kind=hub: the hub dataset id.")
-    config_name: Optional[str] = documented(None, "kind=hub: the dataset's configuration (subset) name.")
-    split: str = documented("train", "kind=hub: the split to read.")
-    revision: Optional[str] = documented(None, "kind=hub: the dataset's revision (branch, tag or commit).")
+                                           "commas (for sft it wins over data.name).")
+    name: Optional[str] = documented(None, "kind=hub, or sft without data.path: the hub dataset id.")
+    config_name: Optional[str] = documented(None, "Hub dataset (data.name): its configuration (subset) name.")
+    split: str = documented("train", "Hub dataset (data.name): the split to read.")
+    revision: Optional[str] = documented(None, "Hub dataset (data.name): its revision (branch, tag or commit).")
     text_field: str = documented("text", "Field of JSON/JSONL/parquet/hub records that holds the text.")
     follow: bool = documented(False, "Train on records appended to data.path (a JSONL file, or a folder of *.jsonl "
                                      "files) while the run is live, each once; wait when there is nothing new.")
@@ -560,8 +560,11 @@ def validate(cfg: TesseraConfig, world_size: int) -> List[str]:
     problems += range_problems(cfg)
     if len(cfg.optim.betas) != 2 or not all(_finite(b) and 0 <= b < 1 for b in cfg.optim.betas):
         problems.append(f"optim.betas={list(cfg.optim.betas)} must be two numbers in [0, 1)")
-    if cfg.data.kind in ("text", "sft") and not cfg.data.path:
-        problems.append(f"data.path must be set for data.kind={cfg.data.kind} (a file, folder or glob)")
+    if cfg.data.kind == "text" and not cfg.data.path:
+        problems.append("data.path must be set for data.kind=text (a file, folder or glob)")
+    if cfg.data.kind == "sft" and not cfg.data.path and not cfg.data.name:
+        problems.append("data.path (a file, folder or glob) or data.name (a hub dataset) must be set for "
+                        "data.kind=sft")
     if cfg.data.kind == "hub" and not cfg.data.name:
         problems.append("data.name must be set for data.kind=hub (a hub dataset id)")
     problems += mixture_problems(cfg.data)

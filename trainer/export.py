@@ -33,7 +33,7 @@ def checkpoint_export_dtype(path: str) -> str:
     try:
         dtype = OmegaConf.select(OmegaConf.load(config), "export.dtype", default="fp32")
     except Exception as e:  # noqa: BLE001 - a damaged YAML file
-        raise CheckpointError(f"{config}: cannot read it ({e}); pass --dtype") from None
+        raise CheckpointError(f"{config}: cannot read it ({one_line(e)}); pass --dtype") from None
     if dtype not in DTYPES:
         raise CheckpointError(f"{config}: export.dtype={dtype!r} is not one of {', '.join(DTYPES)}; pass --dtype")
     return dtype
@@ -180,7 +180,7 @@ def main(argv=None) -> int:
                         help="a LoRA checkpoint (peft=lora): where the adapter goes (default: <out_dir>-adapter); "
                              "out_dir gets the merged model")
     args = parser.parse_args(argv)
-    from trainer.cli import fault_message, unwritable
+    from trainer.cli import debug_traceback, fault_message, unwritable
     from tessera.errors import EXIT_BAD_INPUT, EXIT_FAULT, TesseraError
 
     why = unwritable(args.out_dir)
@@ -191,12 +191,14 @@ def main(argv=None) -> int:
         path, written = export_checkpoint(args.checkpoint, args.out_dir, dtype=args.dtype,
                                           adapter_dir=args.adapter_dir)
     except TesseraError as e:
+        debug_traceback()
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
     except OSError as e:  # disk full / read-only while writing: one line naming the path (exit 4)
         message = fault_message(e)
         if message is None:
             raise
+        debug_traceback()
         print(f"error: {message}", file=sys.stderr)
         return EXIT_FAULT
     print(f"exported {path} to {' and '.join(os.path.abspath(w) for w in written)}")

@@ -20,6 +20,8 @@ from typing import Dict, List
 
 import torch.distributed as dist
 
+from tessera.errors import one_line
+
 CATEGORIES = ("params", "master_params", "optimizer", "grads", "gathered")
 MODEL_STATES = ("params", "grads", "optimizer", "master_params")  # what the ZeRO paper's formulas count
 
@@ -42,7 +44,7 @@ class FirstStepProbe:
         try:  # runs inside the step: a failure to measure must never fail training
             figures = self.strategy.model_state_bytes()
         except Exception as e:  # noqa: BLE001
-            self.errors.append(f"{point}: {type(e).__name__}: {e}")
+            self.errors.append(f"{point}: {one_line(e)}")
             return
         m = {c: int(figures.get(c, 0)) for c in CATEGORIES}
         m["total"] = sum(m.values())

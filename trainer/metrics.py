@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from tessera.errors import FaultError
+from tessera.errors import FaultError, one_line
 
 # Dense bf16 peak TFLOP/s of one device, by a substring of its name.
 KNOWN_PEAKS = (("H200", 989.0), ("H100", 989.0), ("A100", 312.0), ("L40S", 362.0), ("A10G", 125.0),
@@ -168,7 +168,7 @@ def json_line(record: dict) -> str:
 
 
 def _log_fault(path: str, e: OSError) -> FaultError:
-    return FaultError(f"writing {path} failed: {e.strerror or e}; the disk is full or the folder is not "
+    return FaultError(f"writing {path} failed: {e.strerror or one_line(e)}; the disk is full or the folder is not "
                       f"writable. Free space (or fix the permissions), then continue with checkpoint.resume=auto")
 
 
@@ -195,7 +195,7 @@ def truncate_jsonl(path: str, keep) -> int:
     except FileNotFoundError:
         return 0
     except OSError as e:
-        raise FaultError(f"reading {path} failed: {e.strerror or e}") from None
+        raise FaultError(f"reading {path} failed: {e.strerror or one_line(e)}") from None
     kept, dropped = [], 0
     for line in lines:
         if not line.strip():

@@ -180,6 +180,7 @@ def init_process_group(device: torch.device, timeout_s: float) -> None:
         kwargs["device_id"] = device
     COLLECTIVE_TIMEOUT_S = timeout_s
     timeout = datetime.timedelta(seconds=timeout_s)
+    bound_later_groups(timeout)
     try:
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             # torchrun's agent keeps one store across restarts (static rendezvous, `torchrun --max-restarts`): the
@@ -198,6 +199,17 @@ def init_process_group(device: torch.device, timeout_s: float) -> None:
         if problem is None:
             raise
         raise problem from None
+
+
+def bound_later_groups(timeout: datetime.timedelta) -> None:
+    """Every process group created after the default one gets `timeout` too: DCP's checkpoint group, the stop
+    flag's group, DeviceMesh's sub-groups and DeepSpeed's groups are made by `new_group` without a timeout, which
+    torch fills with its own default (30 minutes for gloo, 10 for NCCL) read from these two module attributes.
+    Without this a rank that stops during a save or an evaluation held its peers for half an hour."""
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d.default_pg_timeout = timeout
+    distributed_c10d.default_pg_nccl_timeout = timeout
 
 
 def port_in_use_message(port, addr: str = "") -> str:

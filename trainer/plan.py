@@ -161,7 +161,7 @@ def activation_bytes(cfg, info, dims, layers_here: int) -> float:
 
 def estimate(cfg, world_size: int, info, counts: Optional[Counts] = None) -> Estimate:
     from trainer import build as B
-    from tessera.errors import ConfigError
+    from tessera.errors import ConfigError, one_line
     from trainer.parallel import ParallelDims
     from trainer.strategies import strategy_class
 
@@ -172,7 +172,10 @@ def estimate(cfg, world_size: int, info, counts: Optional[Counts] = None) -> Est
     except ConfigError as e:
         est.problems = list(e.problems)
     except Exception as e:  # noqa: BLE001 - an unknown model etc.: still a problem to report
-        est.problems = [str(e)]
+        from trainer.cli import debug_traceback
+
+        debug_traceback()
+        est.problems = [one_line(e)]
     if ParallelDims.problems(s, world_size):
         return est
     dims = ParallelDims.from_config(s, world_size)
@@ -349,7 +352,7 @@ def _compose(overrides):
 
     from trainer import config as C
     from trainer.cli import register_resolvers
-    from tessera.errors import ConfigError
+    from tessera.errors import ConfigError, one_line
 
     plan = {}
     rest = []
@@ -366,7 +369,7 @@ def _compose(overrides):
         with initialize_config_dir(config_dir=conf_dir, version_base=None):
             cfg = C.to_object(compose(config_name="config", overrides=rest))
     except (HydraException, OmegaConfBaseException) as e:
-        raise ConfigError([str(e).strip().splitlines()[0]]) from None
+        raise ConfigError([one_line(e)]) from None
     try:
         ws = plan.get("plan.world_size") or os.environ.get("WORLD_SIZE")
         if not ws:  # one process for a strategy without a process group, else what the launcher would start

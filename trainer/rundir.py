@@ -27,7 +27,7 @@ from typing import Dict, List, Optional
 
 from trainer import checkpoint as ckpt
 from trainer import parallel
-from tessera.errors import FaultError, TesseraError
+from tessera.errors import FaultError, TesseraError, one_line
 
 LOCK_NAME = ".lock"
 PREVIOUS_PREFIX = "previous-"
@@ -113,8 +113,9 @@ def move_aside(run_dir: str) -> str:
                 continue
             os.rename(src, os.path.join(dest, name))
     except OSError as e:
-        raise FaultError(f"checkpoint.overwrite=true: moving {src} aside to {dest} failed: {e.strerror or e}; "
-                         f"nothing was deleted, check the folder's permissions") from None
+        why = e.strerror or one_line(e)
+        raise FaultError(f"checkpoint.overwrite=true: moving {src} aside to {dest} failed: {why}; nothing was "
+                         f"deleted, check the folder's permissions") from None
     return dest
 
 
@@ -174,8 +175,8 @@ def _acquire(run_dir: str) -> int:
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as e:
-        raise FaultError(f"cannot create the run directory's lock {path}: {e.strerror or e}; the folder must be "
-                         f"writable (or choose another hydra.run.dir)") from None
+        raise FaultError(f"cannot create the run directory's lock {path}: {e.strerror or one_line(e)}; the folder "
+                         f"must be writable (or choose another hydra.run.dir)") from None
     deadline = time.monotonic() + RANK0_WAIT_S
     while True:
         try:
@@ -189,8 +190,8 @@ def _acquire(run_dir: str) -> int:
             time.sleep(0.02)
         except OSError as e:  # ENOLCK / EOPNOTSUPP: a file system without locks
             os.close(fd)
-            print(f"warning: cannot lock {path} ({e.strerror or e}): a second job in this run directory would "
-                  f"not be refused", file=sys.stderr, flush=True)
+            print(f"warning: cannot lock {path} ({e.strerror or one_line(e)}): a second job in this run directory "
+                  f"would not be refused", file=sys.stderr, flush=True)
             return -1
 
 
@@ -200,8 +201,8 @@ def _publish(fd: int) -> None:
         os.ftruncate(fd, 0)
         os.pwrite(fd, data, 0)
     except OSError as e:
-        raise FaultError(f"cannot write the run directory's lock: {e.strerror or e} (disk full or read-only?)") \
-            from None
+        raise FaultError(f"cannot write the run directory's lock: {e.strerror or one_line(e)} (disk full or "
+                         f"read-only?)") from None
 
 
 def _look_from_other_rank(run_dir: str) -> None:

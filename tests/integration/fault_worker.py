@@ -5,6 +5,7 @@ a test can kill a rank in the middle of it), or a hang outside any collective.
     torchrun --nproc_per_node 2 tests/integration/fault_worker.py --pause-save=12:30 [trainer overrides...]
     torchrun --nproc_per_node 2 tests/integration/fault_worker.py --hang-after=5 [trainer overrides...]
     torchrun --nproc_per_node 1 tests/integration/fault_worker.py --step-delay=0.2 [trainer overrides...]
+    torchrun --nproc_per_node 2 tests/integration/fault_worker.py --freeze=save:6:1 [trainer overrides...]
 
 Every rank sleeps SECONDS in the save of step STEP after the save's small files (meta.json, config.yaml, the
 rank's RNG file) are written and before the strategy writes its shards; only in the first attempt of a launch
@@ -17,9 +18,14 @@ test can act on while it trains (fault-tolerant replica groups losing and regain
 With --hang-after=STEP every rank sleeps (for good) after step STEP, in the loop but in no collective, as a
 rank stuck on a file system or in a data loader would: only the progress watchdog can end that. First attempt
 only, too.
+
+With --freeze=PHASE:STEP:RANK rank RANK stops itself (SIGSTOP, as a frozen node or a debugger would) in PHASE:
+`save` inside the checkpoint save of step STEP (before writing its shards), `eval` as the evaluation after step
+STEP begins, `step` in the forward of step STEP. First attempt only.
 """
 import os
 import runpy
+import signal
 import sys
 import time
 
@@ -72,13 +78,52 @@ def step_delay(seconds: float) -> None:
     checkpoint.CheckpointManager.poll = poll
 
 
+def freeze(phase: str, step: int, rank: int) -> None:
+    """Make rank `rank` SIGSTOP itself in `phase` (save / eval / step) of step `step`."""
+    from trainer import loop
+
+    def stop_here(at_step: int) -> None:
+        if at_step == step and int(os.environ.get("RANK", "0")) == rank and restarts.restart_count() == 0:
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    original_init, original_evaluate = checkpoint.CheckpointManager.__init__, loop.evaluate
+
+    def init(manager, *args, **kwargs):
+        original_init(manager, *args, **kwargs)
+        strategy, save_shards, forward_backward = manager.strategy, manager.strategy.save_checkpoint_state, \
+            manager.strategy.forward_backward
+
+        def save(folder, *rest, **options):
+            if phase == "save":
+                stop_here(int(os.path.basename(folder.rstrip("/"))[len(checkpoint.TMP_PREFIX):]))
+            return save_shards(folder, *rest, **options)
+
+        def step_forward(*args, **kwargs):
+            if phase == "step":
+                stop_here(manager.progress.step + 1)
+            return forward_backward(*args, **kwargs)
+
+        strategy.save_checkpoint_state, strategy.forward_backward = save, step_forward
+
+    def evaluate(run):
+        if phase == "eval":
+            stop_here(run.step)
+        return original_evaluate(run)
+
+    checkpoint.CheckpointManager.__init__, loop.evaluate = init, evaluate
+
+
 def main() -> None:
-    faults = [a for a in sys.argv[1:] if a.startswith(("--pause-save=", "--hang-after=", "--step-delay="))]
+    faults = [a for a in sys.argv[1:] if a.startswith(("--pause-save=", "--hang-after=", "--step-delay=",
+                                                        "--freeze="))]
     if len(faults) != 1:
-        sys.exit(f"usage: {sys.argv[0]} --pause-save=STEP:SECONDS|--hang-after=STEP|--step-delay=SECONDS "
-                 f"[trainer overrides...]")
+        sys.exit(f"usage: {sys.argv[0]} --pause-save=STEP:SECONDS|--hang-after=STEP|--step-delay=SECONDS|"
+                 f"--freeze=PHASE:STEP:RANK [trainer overrides...]")
     flag, value = faults[0].split("=", 1)
-    if flag == "--pause-save":
+    if flag == "--freeze":
+        phase, step, rank = value.split(":")
+        freeze(phase, int(step), int(rank))
+    elif flag == "--pause-save":
         step, seconds = value.split(":")
         pause_in_save(int(step), float(seconds))
     elif flag == "--step-delay":

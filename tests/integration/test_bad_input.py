@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -60,6 +61,9 @@ CASES = [
     ("seq-len-over-max", ["data.seq_len=4096", "model.max_position_embeddings=512"], "python", 1, 2,
      "data.seq_len=4096 exceeds model.max_position_embeddings=512"),
     ("single-on-two-ranks", ["strategy=single"], "torchrun-quiet", 2, 2, "strategy=single runs one process"),
+    # a hydra.* override that does not parse: Hydra would exit 1 with its own report on every rank
+    ("hydra-override-does-not-parse", ["hydra.job.name=a=b"], "torchrun-quiet", 2, 2,
+     "'hydra.job.name=a=b' does not parse"),
     ("degree-not-used", ["strategy=ddp", "strategy.tp=2"], "torchrun-quiet", 2, 2, "does not use strategy.tp"),
     ("batch-not-divisible", ["train.global_batch_size=6", "train.micro_batch_size=2"], "torchrun-quiet", 2, 2,
      "train.global_batch_size=6 must be divisible"),
@@ -134,8 +138,73 @@ def test_bad_input_exits_with_one_clear_message(tmp_path, name, overrides, launc
     check_case(name, proc, t.seconds, code, expected)
     out = proc.stdout + proc.stderr
     if nproc > 1:
-        # Rank 0 prints the message; the same config problem is not repeated by every rank.
-        assert out.count(expected) == 1 or "[rank 1]" in out, out[-3000:]
+        # Rank 0 prints the message; the same config, data or model problem is not repeated by every rank.
+        assert out.count(expected) == 1, out[-3000:]
+
+
+# Errors every rank meets from the same input (config, data, model, run directory): printed once, by rank 0, under
+# each launcher (README "Errors"); the other ranks wait for rank 0 to end the job (trainer/cli.py exit_with).
+# Every kind of error and every launcher at least once (the whole product would add minutes, not coverage).
+SAME_INPUT = [
+    # (name, overrides, launcher, expected text)
+    ("missing-data-path", ["strategy=ddp", "data=text", "data.path={tmp}/nothing.txt"], "launch.sh",
+     "data.path='{tmp}/nothing.txt': no such file or folder"),
+    ("unreadable-sft-record", ["strategy=ddp", "data=sft", "data.path={tmp}/sft_noanswer.jsonl"], "deepspeed",
+     "record 0 needs text in 'instruction' and a non-empty 'output'"),
+    ("missing-model-folder", ["strategy=ddp", "model=hf", "model.name_or_path={tmp}/no-such-model"], "torchrun",
+     "'{tmp}/no-such-model': no such folder"),
+    # found before Hydra starts (trainer/cli.py run_dir_preflight): the run directory's parent is a file
+    ("unwritable-run-dir", ["strategy=ddp"], "launch.sh",
+     "hydra.run.dir={tmp}/a-file/run: {tmp}/a-file is not a folder"),
+]
+
+
+def _launch_sh(args, run_dir, timeout: float):
+    env = dict(os.environ, NPROC_PER_NODE="2", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               TESSERA_VENV=os.path.dirname(os.path.dirname(sys.executable)))
+    return run_process_group([str(REPO / "launch.sh")] + args + [f"hydra.run.dir={run_dir}"], env=env,
+                             timeout=timeout)
+
+
+@pytest.mark.parametrize("name,overrides,launcher,expected", SAME_INPUT, ids=[c[0] for c in SAME_INPUT])
+def test_same_input_error_printed_once_by_rank_0(tmp_path, name, overrides, launcher, expected):
+    files = _files(tmp_path)
+    (files / "a-file").write_text("")
+    run_dir = files / "a-file" / "run" if name == "unwritable-run-dir" else files / "run"
+    args, expected = QUICK + [o.format(tmp=files) for o in overrides], expected.format(tmp=files)
+    with Timer() as t:
+        if launcher == "launch.sh":
+            proc = _launch_sh(args, run_dir, timeout=180)
+        else:
+            proc = launch(launcher, args, run_dir, nproc=2, timeout=180)  # a hang fails by timeout
+    out = proc.stdout + proc.stderr
+    # torchrun itself ends a failed job with its ChildFailedError report (a traceback of torchrun's, exit 1) naming
+    # the rank that failed first and its code; launch.sh and deepspeed pass the rank's code on.
+    code = 1 if launcher == "torchrun" else 2
+    check_case(f"{name} ({launcher}, 2 ranks)", proc, t.seconds, code, expected,
+               allow_traceback=launcher == "torchrun")
+    errors = [line for line in out.splitlines() if re.match(r"(\[rank \d+\] )?error: ", line)]
+    assert len(errors) == 1 and out.count(expected) == 1, out[-3000:]
+    assert errors[0].startswith("[rank 0] error: ") and expected in out[out.index(errors[0]):], out[-3000:]
+    if launcher == "torchrun":
+        assert out.count("Traceback") == 1 and "ChildFailedError" in out, out[-3000:]
+        assert re.search(r"Root Cause \(first observed failure\):\n\[0\]:(\n.*){3}\n\s*exitcode\s*: 2 ", out), \
+            out[-3000:]
+
+
+def test_same_input_error_without_rank_0(tmp_path):
+    """A rank that meets an error every rank should meet, while rank 0 does not end the job (here rank 0 never
+    started: another node's files, a launcher that does not stop the others): it prints the message itself after
+    TESSERA_RANK0_WAIT_S rather than exit silently."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="1", LOCAL_RANK="1",
+               WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               TESSERA_RANK0_WAIT_S="2")
+    args = QUICK + ["strategy=ddp", "model=hf", f"model.name_or_path={tmp_path}/no-such-model"]
+    with Timer() as t:
+        proc = run_process_group([sys.executable, str(REPO / "trainer" / "main.py")] + args +
+                                 [f"hydra.run.dir={tmp_path / 'run'}"], env=env, timeout=120)
+    check_case("same-input-error-rank-0-absent", proc, t.seconds, 2, "no-such-model': no such folder")
+    assert "[rank 1] error: 1 configuration problem(s)" in proc.stderr, proc.stderr[-3000:]
 
 
 def test_all_config_problems_reported_together(tmp_path):

@@ -105,11 +105,12 @@ def test_every_group_option_composes(compose, group, option):
         ("precision", "bf16"): lambda c: c.precision.name == "bf16",
         ("precision", "fp16"): lambda c: c.precision.name == "fp16",
         ("experiment", "stories_shakespeare"): lambda c: (
-            c.model.kind == "hf" and c.model.name_or_path.endswith("stories260K-hf") and c.data.kind == "text"
-            and c.data.path.endswith("tinyshakespeare.txt") and c.data.seq_len == 256 and c.optim.lr == 5e-4),
+            c.model.kind == "hf" and c.model.name_or_path == "Xenova/llama2.c-stories15M" and c.data.kind == "hub"
+            and c.data.name == "karpathy/tiny_shakespeare" and c.data.path is None and c.data.seq_len == 256
+            and c.optim.lr == 5e-4),
         ("experiment", "alpaca_sft"): lambda c: (
-            c.model.kind == "hf" and c.model.name_or_path.endswith("stories260K-hf") and c.data.kind == "sft"
-            and c.data.path.endswith("alpaca_en_demo.json") and c.train.micro_batch_size == 4),
+            c.model.kind == "hf" and c.model.name_or_path == "Xenova/llama2.c-stories15M" and c.data.kind == "sft"
+            and c.data.name == "tatsu-lab/alpaca" and c.data.path is None and c.train.micro_batch_size == 4),
     }[(group, option)]
     assert expected(cfg), cfg
 
@@ -210,6 +211,10 @@ def test_check_missing_paths_for_file_data(compose):
     _only_one(problems, "data.path must be set", "data.kind=text")
     problems = _check_problems(compose(["data=hub"]), 1)
     _only_one(problems, "data.name must be set")
+    problems = _check_problems(compose(["data=sft"]), 1)  # records from data.path or a hub dataset (data.name)
+    _only_one(problems, "data.path (a file, folder or glob) or data.name (a hub dataset) must be set",
+              "data.kind=sft")
+    assert not [p for p in C.validate(compose(["data=sft", "data.name=org/alpaca"]), 1) if "data." in p]
 
 
 def test_check_passes_a_valid_config(compose):

@@ -517,3 +517,60 @@ def test_sft_real_alpaca_never_trains_on_prompt_tokens(stories_alpaca):
             assert (labels[:n - 1] == IGNORE).all(), (i, rec["instruction"][:40])
             assert labels[n - 1] != IGNORE  # training starts exactly at the first response token
             assert int((labels != IGNORE).sum()) == seqs.count_targets([i])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# SFT records from a hub dataset by name (data=sft data.name=...; data.path wins when both are set)
+
+def _fake_hub(monkeypatch, records):
+    """datasets.load_dataset answering for the hub: the records, and every call's arguments."""
+    import datasets
+
+    calls = []
+
+    def load_dataset(name, config_name=None, split=None, revision=None, **kw):
+        calls.append((name, config_name, split, revision))
+        return datasets.Dataset.from_list(records)
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    return calls
+
+
+def test_sft_from_a_hub_dataset_by_name(tmp_path, tok, monkeypatch):
+    from trainer.data import sources
+
+    calls = _fake_hub(monkeypatch, ALPACA)
+    cfg = _cfg(tmp_path, kind="sft", name="org/alpaca", split="train[:3]", revision="v1", seq_len=128)
+    seqs = build_data(cfg, tok, VOCAB, log=lambda m: None).train.base
+    assert calls == [("org/alpaca", None, "train[:3]", "v1")]
+    assert isinstance(seqs, SFTSequences) and len(seqs) == 3
+    labels = seqs.get([0])["labels"][0].numpy()
+    assert tok.decode(labels[labels != IGNORE]) == ALPACA[seqs.keep[0]]["output"] + EOS_TOKEN
+    assert '"hub": "org/alpaca"' in sources.describe_source(cfg.data)  # the cache key names the hub dataset
+
+
+def test_sft_path_wins_over_the_hub_name(tmp_path, tok, monkeypatch):
+    path = tmp_path / "alpaca.json"
+    path.write_text(json.dumps(ALPACA[:2]))
+    import datasets
+
+    real = datasets.load_dataset
+    calls = []
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **kw: calls.append(a) or real(*a, **kw))
+    seqs = build_data(_cfg(tmp_path, kind="sft", path=str(path), name="org/alpaca", seq_len=128), tok, VOCAB,
+                      log=lambda m: None).train.base
+    assert len(seqs) == 2 and calls and all(a[0] == "json" for a in calls)
+
+
+def test_sft_hub_dataset_unreachable_names_it_and_the_local_override(tmp_path, tok, monkeypatch):
+    import datasets
+
+    def offline(*a, **kw):
+        raise ConnectionError("Couldn't reach 'org/alpaca' on the Hub (OfflineModeIsEnabled)")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(DataError) as info:
+        build_data(_cfg(tmp_path, kind="sft", name="org/alpaca", seq_len=128), tok, VOCAB, log=lambda m: None)
+    assert str(info.value) == ("data.name='org/alpaca': cannot load the hub dataset (split 'train'): Couldn't reach "
+                               "'org/alpaca' on the Hub (OfflineModeIsEnabled); without hub access, train on a "
+                               "local copy with data.path=<a local copy of the records>")

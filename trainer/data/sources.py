@@ -8,7 +8,7 @@ import json
 import os
 from typing import Iterator, List, Tuple
 
-from tessera.errors import DataError
+from tessera.errors import DataError, one_line
 
 TEXT_EXTS = (".txt", ".text", ".md")
 JSON_EXTS = (".json", ".jsonl")
@@ -77,20 +77,25 @@ def _load_local(files: List[str], split_name: str = "train"):
             return datasets.load_dataset("text", data_files=files, sample_by="document", split="train")
         return datasets.load_dataset(kind, data_files=files, split="train")
     except Exception as e:  # noqa: BLE001 - datasets raises many types; the user needs one line
-        cause = e.__cause__ or e
-        msg = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
         raise DataError(f"data.path: cannot read {', '.join(files[:3])}{' ...' if len(files) > 3 else ''}: "
-                        f"{msg}") from None
+                        f"{one_line(e.__cause__ or e)}") from None
 
 
-def load_hub(name: str, config_name, split: str, revision):
+def load_hub(name: str, config_name, split: str, revision, local: str = "data=text data.path=<a local copy>"):
+    """A hub dataset by name; a failure (no hub access, an unknown name or split) names it and the local
+    alternative `local`."""
     import datasets
 
     try:
         return datasets.load_dataset(name, config_name, split=split, revision=revision)
     except Exception as e:  # noqa: BLE001
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise DataError(f"data.name={name!r}: cannot load the hub dataset (split {split!r}): {first}") from None
+        raise DataError(f"data.name={name!r}: cannot load the hub dataset (split {split!r}): "
+                        f"{one_line(e).rstrip('.')}; without hub access, train on a local copy with {local}") from None
+
+
+def reads_hub(data_cfg) -> bool:
+    """data.kind=hub, or SFT records from the hub: data=sft with data.name and no data.path (a path wins)."""
+    return data_cfg.kind == "hub" or (data_cfg.kind == "sft" and not data_cfg.path and bool(data_cfg.name))
 
 
 def _require_column(ds, field: str, key: str, where: str):
@@ -128,13 +133,19 @@ def iter_texts(data_cfg, embedded_fn=None) -> Iterator[str]:
 
 def iter_sft_records(data_cfg) -> Iterator[Tuple[int, list]]:
     """Chat `messages` for each record: alpaca-style {instruction, input?, output} becomes one user turn and
-    one assistant turn; chat records carry `messages` [{role, content}]."""
-    files = resolve_files(data_cfg.path)
-    if _file_kind(files[0]) == "text":
-        raise DataError(f"data.path={data_cfg.path!r}: SFT data must be JSON, JSONL or parquet records")
-    ds = _load_local(files)
+    one assistant turn; chat records carry `messages` [{role, content}]. From data.path, or from the hub dataset
+    data.name where data.path is not set."""
+    if reads_hub(data_cfg):
+        ds = load_hub(data_cfg.name, data_cfg.config_name, data_cfg.split, data_cfg.revision,
+                      local="data.path=<a local copy of the records>")
+        where = f"data.name={data_cfg.name!r}"
+    else:
+        files = resolve_files(data_cfg.path)
+        if _file_kind(files[0]) == "text":
+            raise DataError(f"data.path={data_cfg.path!r}: SFT data must be JSON, JSONL or parquet records")
+        ds = _load_local(files)
+        where = f"data.path={data_cfg.path!r}"
     cols = set(ds.column_names)
-    where = f"data.path={data_cfg.path!r}"
     if "messages" in cols:
         fmt = "chat"
     elif {"instruction", "output"} <= cols:
@@ -173,7 +184,7 @@ def describe_source(data_cfg) -> str:
     """A stable identity of the raw data, for the tokenization cache key."""
     if data_cfg.kind == "embedded":
         return json.dumps({"embedded": data_cfg.embedded_documents})
-    if data_cfg.kind == "hub":
+    if reads_hub(data_cfg):
         return json.dumps({"hub": data_cfg.name, "config": data_cfg.config_name, "split": data_cfg.split,
                            "revision": data_cfg.revision, "field": data_cfg.text_field,
                            "max_records": data_cfg.max_records})

@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Iterator, Tuple
 
 import numpy as np
 
-from tessera.errors import DataError
+from tessera.errors import DataError, one_line
 
 FORMAT_VERSION = 2  # 2: document offsets for text too (data.packing=documents)
 
@@ -84,8 +84,10 @@ def entry_damage(path: str):
         expected.setdefault("offsets.npy", None)
         if meta.get("kind") == "sft":
             expected.setdefault("mask.bin", n)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"meta.json cannot be read: {e}"
+    except KeyError as e:
+        return f"meta.json has no {e} entry"
+    except (OSError, ValueError, TypeError) as e:
+        return f"meta.json cannot be read: {one_line(e)}"
     for name, size in expected.items():
         file = os.path.join(path, name)
         if not os.path.exists(file):
@@ -106,7 +108,8 @@ def build_or_load(cache_dir: str, key: dict, kind: str, vocab_size: int,
     try:
         os.makedirs(cache_dir, exist_ok=True)
     except OSError as e:
-        raise DataError(f"data.cache_dir={cache_dir!r} cannot be created: {e.strerror}") from None
+        raise DataError(f"data.cache_dir={cache_dir!r} cannot be created: {e.strerror or one_line(e)}",
+                        same_on_every_rank=False) from None  # a node's own folder
     with file_lock(final + ".lock"):
         if os.path.exists(os.path.join(final, "meta.json")):
             damage = entry_damage(final)
@@ -117,8 +120,8 @@ def build_or_load(cache_dir: str, key: dict, kind: str, vocab_size: int,
                 shutil.rmtree(final)
             except OSError as e:
                 raise DataError(f"the tokenization cache entry {final} is damaged ({damage}) and cannot be removed "
-                                f"({e.strerror}); delete it, or set data.cache_dir (or TESSERA_CACHE) to a "
-                                f"writable folder") from None
+                                f"({e.strerror or one_line(e)}); delete it, or set data.cache_dir (or "
+                                f"TESSERA_CACHE) to a writable folder", same_on_every_rank=False) from None
         tmp = f"{final}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)

@@ -20,7 +20,7 @@ from typing import List
 import torch
 import torch.distributed as dist
 
-from tessera.errors import ConfigError
+from tessera.errors import ConfigError, one_line
 from trainer.config import ZERO_PLUS_PLUS_OFF
 from trainer.strategies.base import StateBytes, Strategy, to_device, token_loss_sum
 
@@ -33,9 +33,10 @@ def _read_user_json(path: str) -> dict:
         with open(path) as fh:
             data = json.load(fh)
     except OSError as e:
-        raise ConfigError([f"strategy.deepspeed_config={path!r}: cannot read it ({e.strerror})"]) from None
+        raise ConfigError([f"strategy.deepspeed_config={path!r}: cannot read it ({e.strerror or one_line(e)})"]) \
+            from None
     except ValueError as e:
-        raise ConfigError([f"strategy.deepspeed_config={path!r} is not valid JSON: {e}"]) from None
+        raise ConfigError([f"strategy.deepspeed_config={path!r} is not valid JSON: {one_line(e)}"]) from None
     if not isinstance(data, dict):
         raise ConfigError([f"strategy.deepspeed_config={path!r} must hold a JSON object"])
     return data
@@ -219,7 +220,7 @@ def _zero_section_problems(zero: dict, src: str) -> List[str]:
             out.append(f"{src}: {where}={err.get('input')!r}: {err.get('msg')}")
         return out
     except (TypeError, ValueError) as e:
-        return [f"{src}: zero_optimization is not valid for DeepSpeed: {e}"]
+        return [f"{src}: zero_optimization is not valid for DeepSpeed: {one_line(e)}"]
     return []
 
 

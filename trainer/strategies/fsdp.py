@@ -175,6 +175,15 @@ def fsdp_trees(strategy) -> list:
     return trees
 
 
+def reshard_all(strategy) -> None:
+    """Register the sharded parameters again on every FSDP2 module of the strategy. A forward without a backward
+    (evaluation) leaves them gathered under reshard_after_forward=false, where only the backward reshards: the
+    modules would then hold whole parameters that the optimizer and the checkpoint do not know."""
+    for _, modules in fsdp_trees(strategy):
+        for module in modules:
+            module.reshard()
+
+
 def count_fsdp_states(strategy, count) -> None:
     """FSDP2: the optimizer holds the sharded parameters (DTensors; their local shards are this rank's fp32
     parameters, also the master copy: FSDP casts what it all-gathers and keeps no other). Between a module's

@@ -33,7 +33,7 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
-from tessera.errors import FaultError, TesseraError
+from tessera.errors import FaultError, TesseraError, one_line
 from trainer import comm_bytes
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
@@ -102,8 +102,10 @@ def check_lighthouse(strategy_cfg, timeout_s: float = 5.0) -> None:
             pass
     except OSError as e:
         key = "strategy.lighthouse" if strategy_cfg.lighthouse else f"${LIGHTHOUSE_ENV}"
-        raise TesseraError(f"the torchft lighthouse at {address} ({key}) cannot be reached ({e.strerror or e}); "
-                         f"start it (torchft_lighthouse --min_replicas 1) or fix the address") from None
+        why = e.strerror or one_line(e)
+        raise TesseraError(f"the torchft lighthouse at {address} ({key}) cannot be reached ({why}); "
+                         f"start it (torchft_lighthouse --min_replicas 1) or fix the address",
+                         same_on_every_rank=True) from None  # every rank dials the same address
 
 
 # ---- the state a recovering group copies: local tensors only (a DTensor's shard; every group has the same layout,
@@ -240,7 +242,7 @@ class ReplicaGroups:
             raise
         except Exception as e:  # noqa: BLE001 - torchft raises what its RPCs raise
             raise FaultError(f"replica group {self.group}: no quorum from the torchft lighthouse at "
-                             f"{self.lighthouse} ({str(e).splitlines()[0][:200]}); is it still running?") from None
+                             f"{self.lighthouse} ({one_line(e)[:200]}); is it still running?") from None
 
     def _wait_for_groups(self) -> None:
         """Groups started together begin together: before its first step a group asks for new quorums (each waits

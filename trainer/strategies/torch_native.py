@@ -436,6 +436,13 @@ class TorchNativeStrategy(Strategy):
 
     @torch.no_grad()
     def eval_loss_sum(self, micro_batches) -> torch.Tensor:
+        try:
+            return self._forward_only_loss_sum(micro_batches)
+        finally:
+            if self.fsdp_enabled:  # no backward reshards what these forwards gathered (reshard_after_forward=false)
+                F2.reshard_all(self)
+
+    def _forward_only_loss_sum(self, micro_batches) -> torch.Tensor:
         if self.dims.pp == 1:
             return super().eval_loss_sum(micro_batches)
         # Forward only, stage by stage with point-to-point sends (batches may differ in size, which a
