@@ -145,9 +145,10 @@ def main(argv) -> int:
         stop.cancel()
 
 
-def continue_stopped_ranks(me: int, done: threading.Event, poll: float = 0.5) -> None:
-    """Once a rank has ended while another is stopped (SIGSTOP, a debugger), send the stopped one SIGCONT: the
-    agent's SIGTERM then reaches it and it ends at once, instead of being SIGKILLed after the shutdown timeout."""
+def kill_stopped_ranks(me: int, done: threading.Event, poll: float = 0.5) -> None:
+    """Once a rank has ended while another is stopped (SIGSTOP, a frozen node, a debugger), SIGKILL the stopped one:
+    the job is over, a stopped process cannot save, and a continued one would only add a second error message
+    (its peers are gone) before the agent's shutdown timeout."""
     seen = set()
     while not done.wait(poll):
         states = {pid: _state(pid) for pid in children(me)}
@@ -155,7 +156,7 @@ def continue_stopped_ranks(me: int, done: threading.Event, poll: float = 0.5) ->
         ended = any(pid not in states for pid in seen)
         stopped = [pid for pid, state in states.items() if state in ("T", "t")]
         if ended and stopped:
-            signal_pids(stopped, signal.SIGCONT)
+            signal_pids(stopped, signal.SIGKILL)
 
 
 def _state(pid: int) -> str:
@@ -169,7 +170,7 @@ def _state(pid: int) -> str:
 def _attempt(args, stop: Forwarder) -> int:
     """One launch of the ranks by torchrun's agent -> the launch's exit code, failures said in one line."""
     done = threading.Event()
-    threading.Thread(target=continue_stopped_ranks, args=(os.getpid(), done), daemon=True).start()
+    threading.Thread(target=kill_stopped_ranks, args=(os.getpid(), done), daemon=True).start()
     try:
         return _attempt_once(args, stop)
     finally:
