@@ -79,15 +79,15 @@ fi
 
 # The launcher the strategy needs and train.max_restarts: a launch that fails on a fault (a rank killed or lost, a
 # stalled rank) is started again that many times and continues from the newest complete checkpoint.
-read -r launcher restarts <<<"$("$PY" -m trainer.launch_plan "$@")"
+read -r launcher restarts <<<"$("$PY" -m trainer.launch.choose "$@")"
 export TESSERA_MAX_RESTARTS="$restarts"
 case "$launcher" in
   python)
     if [ "$restarts" = 0 ]; then
       exec "$PY" trainer/main.py "$@"
     fi
-    # One process with restarts: a small supervisor starts it again after a fault (trainer/single_launch.py).
-    exec "$PY" -m trainer.single_launch trainer/main.py "$@"
+    # One process with restarts: a small supervisor starts it again after a fault (trainer/launch/single.py).
+    exec "$PY" -m trainer.launch.single trainer/main.py "$@"
     ;;
   torchrun)
     if [ "$NNODES" = 1 ] && [ -z "${MASTER_PORT:-}" ]; then
@@ -110,7 +110,7 @@ case "$launcher" in
   torchft)
     # Fault-tolerant replica groups on this machine: a torchft lighthouse and one torchrun job per group, each
     # with its own restarts (a failed group recovers from a live one while the others train on).
-    exec "$PY" -m trainer.torchft_launch --nproc_per_node "$NPROC_PER_NODE" trainer/main.py "$@"
+    exec "$PY" -m trainer.launch.torchft --nproc_per_node "$NPROC_PER_NODE" trainer/main.py "$@"
     ;;
   deepspeed)
     args=(--num_gpus "$NPROC_PER_NODE" --master_addr "${MASTER_ADDR:-127.0.0.1}" --master_port "${MASTER_PORT:-29500}")
@@ -121,7 +121,7 @@ case "$launcher" in
     fi
     # DeepSpeed's runner through Tessera's wrapper: SIGTERM/Ctrl-C reach the ranks (which save and stop), a stale
     # build lock is an error instead of a silent hang, a first-use op build says so.
-    exec "$PY" -m trainer.deepspeed_launch "${args[@]}" trainer/main.py "$@"
+    exec "$PY" -m trainer.launch.deepspeed "${args[@]}" trainer/main.py "$@"
     ;;
   *)
     echo "launch.sh: unknown launcher '$launcher'" >&2

@@ -39,14 +39,14 @@ def model_counts(size: str, seq_len: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     from models import registry
-    from trainer.metrics import flops_per_token
+    from trainer.observe.metrics import flops_per_token
 
     cfg = C.compose(size_overrides(size, seq_len))
     info = registry.describe(cfg.model, registry.load_tokenizer(cfg.model))
     with torch.device("meta"):
         total = sum(p.numel() for p in AutoModelForCausalLM.from_config(info.hf_config).parameters())
     c = info.hf_config
-    without_embedding = total - c.vocab_size * c.hidden_size  # as trainer/loop.py counts
+    without_embedding = total - c.vocab_size * c.hidden_size  # as trainer/run/loop.py counts
     return {"params": total, "params_without_input_embedding": without_embedding, "layers": c.num_hidden_layers,
             "hidden": c.hidden_size,
             "flops_per_token": flops_per_token(without_embedding, c.num_hidden_layers, c.hidden_size, seq_len)}
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     ap.add_argument("--micro-batch", type=int, default=8, help="sequences per GPU per step (default 8)")
     ap.add_argument("--warmup", type=int, default=3, help="steps not measured (compile runs here; default 3)")
     ap.add_argument("--steps", type=int, default=7, help="measured steps (default 7)")
-    ap.add_argument("--peak-tflops", type=float, help="dense bf16 peak per GPU if not in trainer/metrics.py")
+    ap.add_argument("--peak-tflops", type=float, help="dense bf16 peak per GPU if not in trainer/observe/metrics.py")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra Hydra override")
     ap.add_argument("--timeout", type=float, default=420, help="seconds per run (default 420)")
     ap.add_argument("--out", help="write every figure as JSON here")
@@ -74,8 +74,8 @@ def main(argv=None) -> int:
         ap.error(f"unknown size/row {bad}")
     import torch
 
-    from trainer.launch_plan import launcher_command, launcher_for
-    from trainer.metrics import KNOWN_PEAKS
+    from trainer.launch.choose import launcher_command, launcher_for
+    from trainer.observe.metrics import KNOWN_PEAKS
 
     gpus = torch.cuda.device_count()
     nproc = a.nproc or gpus or 1

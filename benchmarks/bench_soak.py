@@ -93,7 +93,7 @@ def soak(a) -> dict:
                  "train.global_batch_size=8", "train.micro_batch_size=2", "data.seq_len=32", "eval.every=0",
                  "eval.at_end=false", "export.hf_at_end=false", "logging.progress=false",
                  f"checkpoint.every={a.every}", f"checkpoint.keep_last={a.keep_last}", *a.set]
-    from trainer.launch_plan import launcher_command, launcher_for
+    from trainer.launch.choose import launcher_command, launcher_for
 
     launcher = launcher_for(overrides)
     launcher = "torchrun-quiet" if launcher == "torchrun" else launcher

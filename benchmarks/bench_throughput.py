@@ -31,7 +31,7 @@ def build_side(spec):
 
     from models import registry
     from trainer.data.datasets import build_data
-    from trainer.optim import implementation_kwargs
+    from trainer.run.optim import implementation_kwargs
 
     torch.set_num_threads(spec["threads"])
     cfg = C.compose(spec["overrides"])
@@ -119,7 +119,7 @@ def measure(a, side: str, work: str, tag: str) -> float:
             "out": os.path.join(work, tag + ".json")}
     with open(spec["out"], "w") as fh:
         json.dump(spec, fh)
-    from trainer.launch_plan import run_process_group
+    from trainer.launch.choose import run_process_group
 
     done = run_process_group([sys.executable, os.path.abspath(__file__), "--worker", spec["out"]], env=env,
                              timeout=a.timeout)

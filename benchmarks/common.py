@@ -3,7 +3,7 @@
 
 Run as a script, this file is the per-rank entry of a probed run (`launcher_command(..., script=PROBE)` with
 TESSERA_BENCH_PROBE=<folder>): it runs trainer/main.py unchanged and times pipeline stages' compute in one step. Collective bytes are
-the trainer's own count (comm_bytes in metrics.jsonl, trainer/comm_bytes.py).
+the trainer's own count (comm_bytes in metrics.jsonl, trainer/observe/comm_bytes.py).
 """
 from __future__ import annotations
 
@@ -81,20 +81,14 @@ def shape_overrides(a) -> list:
 
 
 def compose(overrides) -> object:
-    """The trainer's config (a dataclass tree) for these overrides, composed as trainer/main.py does."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    """The trainer's config (a dataclass tree) for these overrides, composed as the trainer's commands do."""
     from hydra.core.global_hydra import GlobalHydra
 
-    from trainer.cli import register_resolvers
-    from trainer.config import register_configs, to_object
+    from trainer.config.compose import compose as compose_conf
+    from trainer.config.schema import to_object
 
-    register_resolvers()
-    register_configs()
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=os.path.join(REPO, "conf"), version_base=None):
-        return to_object(hydra_compose(config_name="config", overrides=[o for o in overrides
-                                                                          if not o.startswith("hydra.")]))
+    return to_object(compose_conf(overrides))
 
 
 def thread_env(threads: int) -> dict:
@@ -109,7 +103,7 @@ def run_trainer(overrides, nproc: int, run_dir: str, env: dict, timeout: float, 
     """One training run of trainer/main.py on `nproc` local processes through the launcher launch.sh would
     pick for these overrides. Returns its metrics.jsonl records, memory.json (or None), each rank's probe
     file (probe=True), its output and `launch_time` (time.time() just before the launcher started)."""
-    from trainer.launch_plan import launcher_command, launcher_for, run_process_group
+    from trainer.launch.choose import launcher_command, launcher_for, run_process_group
 
     launcher = launcher_for(overrides)
     if launcher == "torchrun":
@@ -141,7 +135,7 @@ def run_trainer(overrides, nproc: int, run_dir: str, env: dict, timeout: float, 
 
 
 def _main() -> str:
-    from trainer.launch_plan import MAIN
+    from trainer.launch.choose import MAIN
 
     return MAIN
 
@@ -240,7 +234,7 @@ def probe_main() -> None:
     """Per-rank entry of a probed run: install the probe, then run trainer/main.py with this rank's arguments."""
     import runpy
 
-    from trainer.metrics import MetricsLogger
+    from trainer.observe.metrics import MetricsLogger
 
     out_dir = os.environ["TESSERA_BENCH_PROBE"]
     probe = Probe(out_dir, profile_step=int(os.environ.get("TESSERA_BENCH_PROFILE_STEP", "0")))

@@ -1,4 +1,4 @@
-"""Model-parallel plans, declarative (no distributed code here; trainer/strategies/tensor_parallel.py and pipeline.py apply
+"""Model-parallel plans, declarative (no distributed code here; trainer/parallel/tensor_parallel.py and pipeline.py apply
 them).
 
 * Tensor parallelism: {module path pattern: style} with Hugging Face's style names: the config's
@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-# Hugging Face's plan styles that Tessera applies (trainer/strategies/tensor_parallel.py). `moe_tp_experts`:
+# Hugging Face's plan styles that Tessera applies (trainer/parallel/tensor_parallel.py). `moe_tp_experts`:
 # the experts stay whole on every rank (their parameter-level entries, `packed_colwise` and the like, are then
 # not applied); attention and dense MLPs are split.
 SUPPORTED_TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "colwise_rep", "embedding_rowwise",

@@ -21,7 +21,7 @@ class TesseraError(Exception):
     """Bad input from the user (config, data, model, checkpoint, launch). Printed without a traceback."""
 
     exit_code = EXIT_BAD_INPUT
-    # True where every rank reaches the same error from the same input: rank 0 alone prints it (trainer/cli.py
+    # True where every rank reaches the same error from the same input: rank 0 alone prints it (trainer/run/cli.py
     # user_errors; another rank prints it only when rank 0 did not stop the job). A class sets the default, an
     # error that may differ between ranks (a node's own folder) says so with `same_on_every_rank=False`.
     same_on_every_rank = False
@@ -91,7 +91,7 @@ def one_line(e: BaseException, text: Optional[str] = None) -> str:
     one, else its first line; a text that is empty, a single word, number or quoted key (str(KeyError(0)) is
     "0"), or an exception that means a bug (_INTERNAL), is named with its type and what to do. DCP's
     CheckpointException (a rank -> exception map, then tracebacks) becomes its first failure. Every place that
-    turns an exception into a message uses this (tests/unit/test_messages.py holds them to it). `text`: the
+    turns an exception into a message uses this (tests/unit/run/test_messages.py holds them to it). `text`: the
     part of the exception's text the caller picked (instead of str(e)), judged the same way."""
     failures = getattr(e, "failures", None)
     if isinstance(failures, dict) and failures:

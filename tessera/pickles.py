@@ -1,7 +1,7 @@
 """Reading torch pickles (`torch.save` files: DCP shards, RNG state, pretrained `pytorch_model.bin`) without
 running code from them: `torch.load(weights_only=True)`, whose unpickler admits tensors, plain containers and
 primitive types by exact name. A file that names anything else is refused with one message naming the file and
-the global (trainer/safe_load.py holds the allow-lists of DCP metadata and DeepSpeed files)."""
+the global (trainer/checkpoint/safe_load.py holds the allow-lists of DCP metadata and DeepSpeed files)."""
 from __future__ import annotations
 
 import os

@@ -45,17 +45,12 @@ def require_shared_data() -> Path:
 
 
 def compose_config(overrides=(), typed: bool = True):
-    """Compose the real conf/ with Hydra (as trainer/main.py does) -> TesseraConfig, or the raw DictConfig
-    with typed=False. Composition errors (unknown keys, wrong types) propagate."""
-    from hydra import compose, initialize_config_dir
+    """Compose the real conf/ with Hydra (trainer.config.compose, as the commands do) -> TesseraConfig, or the raw
+    DictConfig with typed=False. Composition errors (unknown keys, wrong types) propagate."""
+    from trainer.config.compose import compose
+    from trainer.config.schema import to_object
 
-    from trainer.cli import register_resolvers
-    from trainer.config import register_configs, to_object
-
-    register_configs()
-    register_resolvers()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        cfg = compose(config_name="config", overrides=list(overrides))
+    cfg = compose(list(overrides))
     return to_object(cfg) if typed else cfg
 
 

@@ -5,12 +5,9 @@
     deepspeed --num_gpus 2 trainer/main.py strategy=ddp         # the deepspeed launcher works too
     ./launch.sh [overrides]                                     # picks the launcher for you
 """
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script
-
-from trainer.cli import check_overrides, register_resolvers, sanitize_argv, user_errors  # noqa: E402
+from trainer.run.cli import check_overrides, register_resolvers, sanitize_argv, user_errors
 
 sys.argv = sanitize_argv(sys.argv)
 register_resolvers()
@@ -19,9 +16,9 @@ check_overrides(sys.argv)
 import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 
-from trainer import build as B  # noqa: E402
-from trainer.config import register_configs, to_object  # noqa: E402
-from trainer.loop import export_final, fit  # noqa: E402
+from trainer.run import build as B  # noqa: E402
+from trainer.config.schema import register_configs, to_object  # noqa: E402
+from trainer.run.loop import export_final, fit  # noqa: E402
 
 register_configs()
 

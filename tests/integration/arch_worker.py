@@ -166,8 +166,8 @@ def _init_process_group(store, key: str, rank: int, world: int) -> None:
 def run_job(job: str, layout: str, models_dir, out: Path, rank: int, store=None, world: int = 1) -> dict:
     """One training run as trainer/main.py does it, in this process; never raises."""
     from tests.conftest import compose_config
-    from trainer import build as B
-    from trainer.loop import export_final, fit
+    from trainer.run import build as B
+    from trainer.run.loop import export_final, fit
 
     run_dir = out / job_dir_name(job)
     arch, variant = split_job(job)

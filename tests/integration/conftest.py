@@ -16,8 +16,8 @@ REPO = Path(__file__).resolve().parents[2]
 # factor of ~10 and still catches a wrong scale, a missed token or a stale gradient (>= 1e-4).
 FP32_TOL = 1e-6
 
-from trainer.launch_plan import launcher_command, run_process_group  # noqa: E402
-from trainer.parallel import free_port  # noqa: E402,F401 - tests import it from here
+from trainer.launch.choose import launcher_command, run_process_group  # noqa: E402
+from trainer.parallel.dims import free_port  # noqa: E402,F401 - tests import it from here
 
 VENV_BIN = Path(sys.executable).parent
 
@@ -132,7 +132,7 @@ def val_loss(model, run_dir, overrides) -> float:
     import torch.nn.functional as F
 
     from tests.conftest import compose_config
-    from trainer import build as B
+    from trainer.run import build as B
     from trainer.data.datasets import IGNORE
 
     cfg = compose_config(list(overrides) + ["strategy=single", "train.micro_batch_size=2"])
@@ -166,7 +166,7 @@ def check_export(run_dir, tmp_path, overrides, name: str, final_step: int = 10):
     ids = torch.tensor(EXPORT_IDS)
     with torch.no_grad():
         la, lb = at_end(ids).logits, exported(ids).logits
-    print(f"{name} export: max |hf/ - trainer.export| logit difference {(la - lb).abs().max().item():.2e}")
+    print(f"{name} export: max |hf/ - trainer.exporting.from_checkpoint| logit difference {(la - lb).abs().max().item():.2e}")
     torch.testing.assert_close(la, lb, rtol=0, atol=1e-6)
 
     trained = read_jsonl(run_dir / "eval.jsonl")[-1]
@@ -205,7 +205,7 @@ def checkpoint_tensors(path) -> dict:
 
 def descendants(pid: int) -> list:
     """Every live process below `pid` (a launcher's agent, its ranks)."""
-    from trainer.torchrun import children
+    from trainer.launch.torchrun import children
 
     out, frontier = [], [pid]
     while frontier:

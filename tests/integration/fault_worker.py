@@ -33,7 +33,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 MAIN = os.path.join(REPO, "trainer", "main.py")
 sys.path.insert(0, REPO)
 
-from trainer import checkpoint, restarts  # noqa: E402
+from trainer.checkpoint import manager as checkpoint
+
+from trainer.launch import restarts  # noqa: E402
 
 
 def pause_in_save(step: int, seconds: float) -> None:
@@ -80,7 +82,7 @@ def step_delay(seconds: float) -> None:
 
 def freeze(phase: str, step: int, rank: int) -> None:
     """Make rank `rank` SIGSTOP itself in `phase` (save / eval / step) of step `step`."""
-    from trainer import loop
+    from trainer.run import loop
 
     def stop_here(at_step: int) -> None:
         if at_step == step and int(os.environ.get("RANK", "0")) == rank and restarts.restart_count() == 0:

@@ -247,7 +247,7 @@ def test_architecture_trains_under_layout(matrix, arch_models, layout, arch):
 @pytest.mark.parametrize("arch,layout", sorted(REFUSED))
 def test_layout_refuses_an_architecture_it_cannot_split(matrix, arch, layout):
     """A layout that can't split an architecture refuses it with one config message naming the key to change,
-    before training (the planner reports the same: tests/unit/test_plan.py)."""
+    before training (the planner reports the same: tests/unit/planner/test_plan.py)."""
     r = matrix.layout(layout)[arch]
     assert not r["ok"] and r["error"].startswith("ConfigError:"), r
     assert REFUSED[(arch, layout)] in r["error"] and "set strategy.tp=1" in r["error"], r["error"]

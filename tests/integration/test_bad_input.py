@@ -143,7 +143,7 @@ def test_bad_input_exits_with_one_clear_message(tmp_path, name, overrides, launc
 
 
 # Errors every rank meets from the same input (config, data, model, run directory): printed once, by rank 0, under
-# each launcher (README "Errors"); the other ranks wait for rank 0 to end the job (trainer/cli.py exit_with).
+# each launcher (README "Errors"); the other ranks wait for rank 0 to end the job (trainer/run/cli.py exit_with).
 # Every kind of error and every launcher at least once (the whole product would add minutes, not coverage).
 SAME_INPUT = [
     # (name, overrides, launcher, expected text)
@@ -153,7 +153,7 @@ SAME_INPUT = [
      "record 0 needs text in 'instruction' and a non-empty 'output'"),
     ("missing-model-folder", ["strategy=ddp", "model=hf", "model.name_or_path={tmp}/no-such-model"], "torchrun",
      "'{tmp}/no-such-model': no such folder"),
-    # found before Hydra starts (trainer/cli.py run_dir_preflight): the run directory's parent is a file
+    # found before Hydra starts (trainer/run/cli.py run_dir_preflight): the run directory's parent is a file
     ("unwritable-run-dir", ["strategy=ddp"], "launch.sh",
      "hydra.run.dir={tmp}/a-file/run: {tmp}/a-file is not a folder"),
 ]

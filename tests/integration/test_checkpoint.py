@@ -167,7 +167,7 @@ def test_a_killed_rank_restarts_and_the_run_ends_as_if_never_interrupted(ddp2, t
         cmd = [str(VENV_BIN / "torchrun"), "--nproc_per_node=2", "--max-restarts=2", f"--master_port={free_port()}",
                str(REPO / "trainer" / "main.py")] + args
     else:
-        cmd = [sys.executable, "-m", "trainer.deepspeed_launch", "--num_gpus", "2", "--master_port", str(free_port()),
+        cmd = [sys.executable, "-m", "trainer.launch.deepspeed", "--num_gpus", "2", "--master_port", str(free_port()),
                str(REPO / "trainer" / "main.py")] + args
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -193,9 +193,9 @@ def test_a_killed_rank_restarts_and_the_run_ends_as_if_never_interrupted(ddp2, t
 
 
 def test_a_killed_single_process_run_restarts_through_launch_sh(straight, tmp_path):
-    """strategy=single through launch.sh has restarts too (trainer/single_launch.py): the trainer SIGKILLed after
+    """strategy=single through launch.sh has restarts too (trainer/launch/single.py): the trainer SIGKILLed after
     step 8 starts again from its step-6 checkpoint and ends with the uninterrupted run's losses, bit for bit."""
-    from trainer.torchrun import children
+    from trainer.launch.torchrun import children
 
     run_dir = tmp_path / "run"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
@@ -394,8 +394,8 @@ def test_export_from_checkpoint_matches_trained_model(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from tests.conftest import compose_config
-    from trainer import build as B
-    from trainer.loop import fit
+    from trainer.run import build as B
+    from trainer.run.loop import fit
 
     cfg = compose_config(BASE + ["strategy=single", "train.max_steps=3"])
     run = B.build(B.prepare(cfg, str(tmp_path)))

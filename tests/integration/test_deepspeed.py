@@ -46,7 +46,7 @@ def test_users_deepspeed_json_matches_single_process(generated_data, reference, 
     """A user's ZeRO-2 JSON ("auto" batch sizes, clipping, precision; an optimizer and scheduler section that
     Tessera replaces; optimizer offload to the CPU) through torchrun: the same curve as one process.
     The JSON is written by the test session (tests/conftest.py) in the shape of ../shared/data/deepspeed's; the
-    real files are checked by tests/unit/test_deepspeed_config.py."""
+    real files are checked by tests/unit/strategies/test_deepspeed_config.py."""
     path = generated_data.deepspeed["zero2"]
     ok(launch("torchrun", TEN + ["strategy=zero2", "train.micro_batch_size=2", f"strategy.deepspeed_config={path}"],
               tmp_path, nproc=2))

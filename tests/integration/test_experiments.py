@@ -123,8 +123,8 @@ def local_overrides(bundle: Path, files: DataSource) -> list:
 @pytest.mark.parametrize("bundle", BUNDLES, ids=lambda p: p.stem)
 def test_bundle_trains_on_local_files(bundle, local_files, tmp_path):
     """The bundle, with its hub ids swapped for local files, composes, passes every check and trains two steps."""
-    from trainer import build as B
-    from trainer.loop import fit
+    from trainer.run import build as B
+    from trainer.run.loop import fit
 
     overrides = local_overrides(bundle, local_files) + QUICK
     cfg = compose_config(overrides)
@@ -166,8 +166,8 @@ def test_bundle_without_hub_access_says_what_to_do(bundle, tmp_path):
 def test_bundle_dataset_without_hub_access_names_the_local_override(bundle, local_files, tmp_path):
     """The model found locally, the hub dataset not reachable: one DataError naming data.name and the override."""
     from tessera.errors import DataError
-    from trainer import build as B
-    from trainer import rundir
+    from trainer.run import build as B
+    from trainer.resilience import rundir
 
     cfg = _raw(bundle)
     if cfg.data.kind not in ("hub", "sft") or not _local_override(cfg.data, "name") or \

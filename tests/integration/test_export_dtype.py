@@ -73,7 +73,7 @@ def test_zero3_export_dtype_bf16_writes_the_masters_cast_to_bf16(tmp_path):
     run = tmp_path / "run"
     ok(launch("torchrun", BF16 + ["strategy=zero3", "export.dtype=bf16"], run, nproc=2))
     at_end = _tensors(run / "hf")
-    # trainer.export takes export.dtype from the checkpoint's config.yaml; --dtype overrides it.
+    # trainer.exporting.from_checkpoint takes export.dtype from the checkpoint's config.yaml; --dtype overrides it.
     exported, masters = _cli_exports(run, {tmp_path / "exported": [], tmp_path / "fp32": ["--dtype", "fp32"]})
     _assert_identical(at_end, exported, torch.bfloat16)
     assert _config_dtype(run / "hf") == _config_dtype(tmp_path / "exported") == "bfloat16"

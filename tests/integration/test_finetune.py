@@ -14,8 +14,8 @@ from tests.integration.conftest import REPO, SMALL, launch, ok, read_jsonl, rel_
 
 def _train_in_process(overrides, run_dir):
     """prepare -> build -> fit -> export, as trainer/main.py does, keeping the trained model for inspection."""
-    from trainer import build as B
-    from trainer.loop import export_final, fit
+    from trainer.run import build as B
+    from trainer.run.loop import export_final, fit
 
     cfg = compose_config(overrides)
     run = B.build(B.prepare(cfg, str(run_dir)))

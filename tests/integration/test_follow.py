@@ -15,7 +15,7 @@ import time
 import pytest
 
 from tests.integration.conftest import REPO, SMALL, check_parity, launch, metrics, ok, read_jsonl
-from trainer.launch_plan import launcher_command
+from trainer.launch.choose import launcher_command
 
 SEQ = 32
 GBS = 4

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import REPO, SMALL, run_process_group
-from trainer.launch_plan import launcher_command
+from trainer.launch.choose import launcher_command
 
 HOOK = REPO / "tests" / "integration" / "freeze_hook"  # sitecustomize: rank RANK stops itself in PHASE
 TIMEOUT_S = 6

@@ -150,7 +150,7 @@ def test_hsdp_checkpoint_resumes_as_fsdp_ws2(hsdp_run, tmp_path):
 # ---- export --------------------------------------------------------------------------------------------------
 def test_export_logits_equal_trained_model(fsdp_run, tmp_path):
     """hf/ (written at the end of the run, one sharded parameter gathered at a time) and `python -m
-    trainer.export` of the final DCP checkpoint give the same logits, and the exported model's validation loss
+    trainer.exporting.from_checkpoint` of the final DCP checkpoint give the same logits, and the exported model's validation loss
     is the one the trainer measured on its sharded model after the last step."""
     check_export(fsdp_run, tmp_path, TEN, "fsdp-ws2")
 

@@ -140,7 +140,7 @@ def test_export_refuses_non_finite_weights(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
     from tessera.errors import DivergenceError
-    from trainer.hf_export import write_hf_folder
+    from trainer.exporting.hf_folder import write_hf_folder
 
     model = AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
                                                          num_hidden_layers=1, num_attention_heads=2))
@@ -188,7 +188,7 @@ def test_disk_full_on_a_small_filesystem_keeps_earlier_checkpoints(tmp_path):
         check_case("disk full: run directory on a 4 MiB filesystem", proc, t.seconds, 4, "No space left on device")
         kept = sorted(p.name for p in (run / "checkpoints").glob("step_*"))
         assert kept and not list((run / "checkpoints").glob(".tmp-*")), kept  # nothing half-written left
-        from trainer import checkpoint as ckpt
+        from trainer.checkpoint import manager as ckpt
 
         for name in kept:  # every checkpoint left is complete and intact
             path = str(run / "checkpoints" / name)

@@ -92,7 +92,7 @@ def test_dcp_metadata_payload_on_resume_and_export(dcp_checkpoint, tmp_path):
                     f"{ckpt}/.metadata {DOTTED}")
     with Timer() as t:
         proc = export(ckpt, tmp_path / "out")
-    _assert_refused("payload: DCP .metadata (dotted global), trainer.export", proc, t.seconds, marker,
+    _assert_refused("payload: DCP .metadata (dotted global), trainer.exporting.from_checkpoint", proc, t.seconds, marker,
                     f"{ckpt}/.metadata {DOTTED}")
     assert not (tmp_path / "out").exists()
 
@@ -139,7 +139,7 @@ def test_deepspeed_payload_on_export(zero_checkpoint, tmp_path):
     ckpt = craft(zero_checkpoint, tmp_path / "crafted", ZERO_FILE, lambda p: torch_payload(p, f"touch {marker}"))
     with Timer() as t:
         proc = export(ckpt, tmp_path / "out")
-    _assert_refused("payload: ZeRO-2 optimizer file, trainer.export", proc, t.seconds, marker,
+    _assert_refused("payload: ZeRO-2 optimizer file, trainer.exporting.from_checkpoint", proc, t.seconds, marker,
                     f"DeepSpeed checkpoint file {ckpt}/{ZERO_FILE}: {SYSTEM}")
 
 

@@ -8,7 +8,7 @@ from models import registry
 from models.tokenizer import embedded_tokenizer
 from tests.conftest import compose_config
 from tests.integration.conftest import memory_reports, rel_err
-from trainer.plan import estimate
+from trainer.planner.estimate import estimate
 
 MODEL = ["model.hidden_size=128", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
          "model.intermediate_size=256", "data.embedded_documents=400", "data.seq_len=32"]

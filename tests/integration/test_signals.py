@@ -111,7 +111,7 @@ class Launch:
         return fh.read()
 
     def kill(self) -> None:
-        from trainer.torchrun import children
+        from trainer.launch.torchrun import children
 
         pids = [pid for pid, _ in _processes_of(self.run_dir)]
         for pid in pids:  # with their descendants (an op build's ninja and compilers)

@@ -10,7 +10,7 @@ import time
 import torch
 
 from tests.integration.conftest import SMALL, launch, ok
-from trainer.launch_plan import launcher_command
+from trainer.launch.choose import launcher_command
 
 QUIET = ["eval.every=0", "eval.at_end=false", "checkpoint.at_end=false", "train.log_every=10"]
 

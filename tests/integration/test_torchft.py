@@ -92,7 +92,7 @@ def _alone(run_dir) -> int:
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_replica_group_dies_the_other_trains_on_and_it_rejoins(tmp_path, layout):
-    from trainer.torchft_launch import start_lighthouse
+    from trainer.launch.torchft import start_lighthouse
 
     steps, (how, kill_after) = 120, FAULTS[layout]
     lighthouse, address = start_lighthouse(1)
@@ -164,7 +164,7 @@ def test_a_replica_group_dies_the_other_trains_on_and_it_rejoins(tmp_path, layou
 def test_a_group_of_another_run_is_refused_and_the_live_group_trains_on(tmp_path):
     """A group started with another global batch would copy state it cannot continue: it is refused with the
     resume checks' message (exit 2, not restarted) before any of its state is overwritten."""
-    from trainer.torchft_launch import start_lighthouse
+    from trainer.launch.torchft import start_lighthouse
 
     lighthouse, address = start_lighthouse(1)
     run_dir = tmp_path / "run"

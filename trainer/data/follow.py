@@ -230,7 +230,7 @@ class FollowSampler:
 
     def bind(self, run) -> None:
         """The run's stop request, watchdog and logger; follow.jsonl cut back to the run's step (a resume)."""
-        from trainer.metrics import truncate_jsonl
+        from trainer.observe.metrics import truncate_jsonl
 
         self.stop, self.watchdog, self.log = run.stop, run.watchdog, run.logger.info
         if not dist.is_initialized() or dist.get_rank() == 0:

@@ -82,7 +82,7 @@ class Strategy:
     comm_hooks: ClassVar[FrozenSet[str]] = frozenset()
     # Whether sync=local_sgd / diloco (strategies/sync.py) runs with this strategy (see periodic_sync_of).
     periodic_sync: ClassVar[bool] = False
-    # Whether trainer/comm_bytes.py sees every collective of a step (metrics.jsonl gets comm_bytes only then).
+    # Whether trainer/observe/comm_bytes.py sees every collective of a step (metrics.jsonl gets comm_bytes only then).
     counts_all_collectives: bool = True
     # peft.quantization=nf4 (QLoRA): bitsandbytes' 4-bit layers cannot be sharded or split, so only strategies that
     # hold the whole model on each rank take them.
@@ -125,7 +125,7 @@ class Strategy:
                                     f"strategy={cfg.strategy.name} does not use it: leave it unset"
                                     + (" (DeepSpeed: strategy.offload_optimizer / offload_param)"
                                        if key == "cpu_offload" else ""))
-        from trainer.strategies.sync import sync_problems
+        from trainer.parallel.sync import sync_problems
 
         problems += sync_problems(cfg, cfg.strategy.name, cls.periodic_sync_of(cfg))
         ft = cfg.strategy.fault_tolerance
@@ -135,11 +135,11 @@ class Strategy:
                             f"strategy=ddp or strategy=hsdp (replica groups), or strategy.fault_tolerance=none with "
                             f"train.max_restarts (restarts from the last checkpoint)")
         elif ft == "torchft":
-            from trainer.strategies import replica_groups
+            from trainer.parallel import replica_groups
 
             problems += replica_groups.config_problems(cfg)
         if not cls.uses_zero_options:
-            from trainer.config import ZERO_PLUS_PLUS_OFF
+            from trainer.config.schema import ZERO_PLUS_PLUS_OFF
 
             for key, off in ZERO_PLUS_PLUS_OFF.items():
                 if getattr(cfg.strategy, key) != off:
@@ -150,7 +150,7 @@ class Strategy:
             problems.append(f"strategy.comm_hook={hook} is a DDP communication hook; strategy={cfg.strategy.name} "
                             f"cannot use it: use strategy=ddp, or strategy.reduce_dtype=bf16 with fsdp/hsdp "
                             f"(the gradient reduce-scatter in bf16), or leave strategy.comm_hook=none")
-        from trainer.optim import implementation_problems
+        from trainer.run.optim import implementation_problems
 
         problems += implementation_problems(cfg, cls.uses_dtensor_parameters)
         if cfg.train.on_nonfinite == "skip" and not cls.skips_nonfinite_steps(cfg):
@@ -179,7 +179,7 @@ class Strategy:
                     f"which hold the 4-bit base whole on each rank (bitsandbytes' 4-bit weights are not sharded by "
                     f"strategy={cfg.strategy.name}); use one of them or peft.quantization=none"]
         from tessera.errors import ConfigError
-        from trainer.parallel import select_device
+        from trainer.parallel.dims import select_device
 
         try:
             device = select_device(cfg.train.device)
@@ -197,14 +197,14 @@ class Strategy:
         """Checks of what the run needs outside this job (raise a TesseraError), before any process group: a
         torchft lighthouse that cannot be reached is an error now, not a hang in the first quorum."""
         if cfg.strategy.fault_tolerance == "torchft":
-            from trainer.strategies import replica_groups
+            from trainer.parallel import replica_groups
 
             replica_groups.check_lighthouse(cfg.strategy)
 
     @classmethod
     def run_dir_for(cls, cfg, run_dir: str) -> str:
         """The run directory of this job under the launch's output folder (a folder per torchft replica group)."""
-        from trainer.strategies import replica_groups
+        from trainer.parallel import replica_groups
 
         return replica_groups.group_run_dir(cfg, run_dir)
 
@@ -265,7 +265,7 @@ class Strategy:
     def attach_replica_groups(self) -> None:
         """End of setup, for strategies whose class lists torchft in `fault_tolerance`: join the replica groups
         and share the model, optimizer and loss-scaler state with a recovering group."""
-        from trainer.strategies import replica_groups
+        from trainer.parallel import replica_groups
 
         if self.cfg.strategy.fault_tolerance != "torchft":
             return
@@ -450,7 +450,7 @@ class Strategy:
     def load_checkpoint_from(self, folder: str, group, weights_only: bool, param_groups) -> None:
         import torch.distributed.checkpoint as dcp
 
-        from trainer.safe_load import SafeFileSystemReader, SafeLoadPlanner
+        from trainer.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner
 
         state = self.checkpoint_state(model_only=weights_only)
         dcp.load(state, checkpoint_id=folder, storage_reader=SafeFileSystemReader(folder), planner=SafeLoadPlanner(),
@@ -482,9 +482,9 @@ class Strategy:
             out.append(dict(match, params=list(group["params"])))
         return out
 
-    # ---- model-state memory (logging.memory_report: trainer/memory.py gathers and logs what strategies state) ---
+    # ---- model-state memory (logging.memory_report: trainer/observe/memory.py gathers and logs what strategies state) ---
     def model_state_bytes(self) -> dict:
-        """Bytes this rank holds now per category (trainer.memory.CATEGORIES: params, master_params, optimizer,
+        """Bytes this rank holds now per category (trainer.observe.memory.CATEGORIES: params, master_params, optimizer,
         grads, gathered), read through public APIs: the model's parameters and their `.grad` (a DTensor counts its
         local shard), the tensors in the optimizer's `state`. Called only for the memory report."""
         count = StateBytes()
@@ -497,7 +497,7 @@ class Strategy:
         return count.bytes
 
     def watch_memory(self, snap) -> list:
-        """Arm this backend's own probe points for the first step (trainer/memory.py watches the optimizer step):
+        """Arm this backend's own probe points for the first step (trainer/observe/memory.py watches the optimizer step):
         call `snap(point_name)` where transient tensors exist. Returns the callables that disarm them."""
         return []
 
@@ -512,14 +512,14 @@ class Strategy:
             count.add("params", p)
         return count.bytes["params"]
 
-    # ---- the planner (trainer/plan.py): this strategy's per-rank model states, from the config alone ----------
+    # ---- the planner (trainer/planner/): this strategy's per-rank model states, from the config alone ----------
     @classmethod
     def estimate_model_states(cls, est, cfg, dims, counts, rank_params: float) -> None:
-        """Fill `est` (a trainer.plan.Estimate: params, grads, optimizer, master_params, buffers, host_params,
+        """Fill `est` (a trainer.planner.estimate.Estimate: params, grads, optimizer, master_params, buffers, host_params,
         host_load, notes) in bytes for the heaviest rank; `counts` are the model's parameter counts
-        (trainer.plan.Counts), `rank_params` the parameters a rank's model-parallel part holds. Default: a whole
+        (trainer.planner.estimate.Counts), `rank_params` the parameters a rank's model-parallel part holds. Default: a whole
         fp32 replica per rank with its gradients and optimizer state (single, ddp)."""
-        from trainer.plan import is_pretrained, optimizer_bytes_per_param
+        from trainer.planner.estimate import is_pretrained, optimizer_bytes_per_param
 
         psi = counts.total
         est.params, est.grads, est.optimizer = 4 * psi, 4 * psi, optimizer_bytes_per_param(cfg) * psi
@@ -543,7 +543,7 @@ class Strategy:
             return self.write_exports(self.unwrapped().config, tokenizer, out_dir, adapter_dir,
                                       self.full_tensors())
         if not dist.is_initialized() or dist.get_rank() == 0:
-            from trainer.hf_export import write_hf_folder
+            from trainer.exporting.hf_folder import write_hf_folder
 
             write_hf_folder(self.unwrapped(), tokenizer, out_dir, dtype=self.cfg.export.dtype)
         if dist.is_initialized():
@@ -560,7 +560,7 @@ class Strategy:
 
     def write_exports(self, config, tokenizer, out_dir: str, adapter_dir: Optional[str], named) -> List[str]:
         """The merged model streamed into `out_dir` from `named` (full_tensors), the adapter into `adapter_dir`."""
-        from trainer.hf_export import dense_config, write_adapter_folder, write_hf_folder_streaming
+        from trainer.exporting.hf_folder import dense_config, write_adapter_folder, write_hf_folder_streaming
 
         writer = not dist.is_initialized() or dist.get_rank() == 0
         adapter = {}
@@ -578,7 +578,7 @@ class StateBytes:
     DTensor by its local shard): views of one buffer count what they cover, a buffer's unused rest is not seen."""
 
     def __init__(self):
-        from trainer.memory import CATEGORIES
+        from trainer.observe.memory import CATEGORIES
 
         self.bytes = dict.fromkeys(CATEGORIES, 0)
         self.seen = set()

@@ -24,7 +24,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trainer.strategies.base import Strategy
-from trainer.strategies.sync import PeriodicSync, sync_state_bytes
+from trainer.parallel.sync import PeriodicSync, sync_state_bytes
 
 COMM_HOOKS = ("none", "bf16", "fp16", "powersgd")
 

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from tessera.errors import ConfigError, one_line
-from trainer.config import ZERO_PLUS_PLUS_OFF
+from trainer.config.schema import ZERO_PLUS_PLUS_OFF
+from trainer.launch import ds_ops
 from trainer.strategies.base import StateBytes, Strategy, to_device, token_loss_sum
 
 STAGES = {"zero1": 1, "zero2": 2, "zero3": 3, "zero3_offload": 3}
@@ -252,11 +253,11 @@ class DeepSpeedStrategy(Strategy):
     def __init__(self, cfg, dims, device, precision):
         from types import SimpleNamespace
 
-        from trainer.precision import Precision
+        from trainer.run.precision import Precision
 
         # DeepSpeed runs bf16/fp16 itself (half weights, fp32 master copy, its loss scaler): no autocast on top.
         super().__init__(cfg, dims, device, Precision(SimpleNamespace(precision=SimpleNamespace(name="fp32")), device))
-        __import__("trainer.ds_ops").ds_ops.ensure_ready(cfg)  # stale build lock: exit 2; a build says so
+        ds_ops.ensure_ready(cfg)  # stale build lock: exit 2; a build says so
 
     @classmethod
     def skips_nonfinite_steps(cls, cfg) -> bool:
@@ -377,8 +378,8 @@ class DeepSpeedStrategy(Strategy):
         return None
 
     def load_checkpoint_from(self, folder: str, group, weights_only: bool, param_groups) -> None:
-        from trainer.checkpoint import CheckpointError, read_meta
-        from trainer.safe_load import checked_deepspeed_folder
+        from trainer.checkpoint.manager import CheckpointError, read_meta
+        from trainer.checkpoint.safe_load import checked_deepspeed_folder
 
         saved_dp = read_meta(folder).get("dp_size", self.dp_size)
         load_dir = folder
@@ -393,7 +394,7 @@ class DeepSpeedStrategy(Strategy):
         try:
             # DeepSpeed unpickles its files with weights_only=False: every rank first checks every file it could
             # read (a refusal stops all ranks alike, before any state changed), and DeepSpeed's reads are made
-            # weights-only while it loads (trainer/safe_load.py).
+            # weights-only while it loads (trainer/checkpoint/safe_load.py).
             with checked_deepspeed_folder(load_dir):
                 # peft=lora: the module state holds the adapters only (the frozen base is the model's own)
                 load_path, _ = self.engine.load_checkpoint(load_dir, tag="zero",
@@ -426,7 +427,7 @@ class DeepSpeedStrategy(Strategy):
         from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
         from trainer.data.store import file_lock
-        from trainer.safe_load import checked_deepspeed_folder
+        from trainer.checkpoint.safe_load import checked_deepspeed_folder
 
         out = os.path.join(self.run_dir, "checkpoints", f".universal-{os.path.basename(folder.rstrip('/'))}")
         done = os.path.join(out, "CONVERTED")
@@ -450,7 +451,7 @@ class DeepSpeedStrategy(Strategy):
         """The fp32 master weights (not DeepSpeed's bf16/fp16 copies of them) cast to export.dtype, gathered one
         parameter at a time on every stage; rank 0 writes shards as they fill: no rank holds the whole model.
         The same weights as `python -m trainer.export` of a checkpoint taken at this step."""
-        from trainer.hf_export import write_hf_folder_streaming
+        from trainer.exporting.hf_folder import write_hf_folder_streaming
 
         if self.adapters is not None:
             return self.write_exports(self.unwrapped().config, tokenizer, out_dir, adapter_dir, self.full_tensors())
@@ -543,7 +544,7 @@ class DeepSpeedStrategy(Strategy):
         """bit16 parameters (ZeRO-3: partitioned), fp32 master and optimizer state partitioned; gradients as
         model_state_bytes sees them: the fp32 partition in the step (ZeRO-3: and its bit16 partition). The reduction
         bucket, ZeRO-1/2's bit16 gradient partition and ZeRO-3's gathered parameter go to buffers."""
-        from trainer.plan import HALF, is_pretrained, optimizer_bytes_per_param
+        from trainer.planner.estimate import HALF, is_pretrained, optimizer_bytes_per_param
 
         s = cfg.strategy
         psi, n, stage, half = counts.total, dims.dp_size, s.zero_stage, HALF[cfg.precision.name]

@@ -27,11 +27,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.data.datasets import IGNORE
-from trainer.strategies import fsdp as F2
+from trainer.parallel import fsdp as F2
 from trainer.strategies.base import StateBytes, Strategy, to_device
-from trainer.strategies.pipeline import (SCHEDULES, SPLIT_BACKWARD_SCHEDULES, StageModule, cut_stage, set_module,
+from trainer.parallel.pipeline import (SCHEDULES, SPLIT_BACKWARD_SCHEDULES, StageModule, cut_stage, set_module,
                                          stage_indices, stages_per_rank)
-from trainer.strategies.tensor_parallel import apply_tp, count_functional_collectives, grads_in_param_layout
+from trainer.parallel.tensor_parallel import apply_tp, count_functional_collectives, grads_in_param_layout
 
 # Strategies that shard with FSDP even over one data-parallel rank.
 _ALWAYS_FSDP = ("fsdp", "hsdp")
@@ -94,7 +94,7 @@ class TorchNativeStrategy(Strategy):
         """Checks that need the model's shape and the degrees (called before any process group starts)."""
         from models import plans
         from models.init import meta_model
-        from trainer import config as C
+        from trainer.config import schema as C
 
         s = cfg.strategy
         problems = []
@@ -260,7 +260,7 @@ class TorchNativeStrategy(Strategy):
         synchronised over the replicate dimension. They start from group 0's values, as every_step's would."""
         from torch.distributed.tensor import DTensor
 
-        from trainer.strategies.sync import PeriodicSync
+        from trainer.parallel.sync import PeriodicSync
 
         shards = {n: (p.to_local() if isinstance(p, DTensor) else p).detach()  # views of the parameters' storage
                   for n, p in self.state_model.named_parameters() if p.requires_grad}  # peft=lora: the adapters
@@ -380,7 +380,7 @@ class TorchNativeStrategy(Strategy):
         import torch.distributed.pipelining.schedules as schedules
         from torch.distributed.pipelining import PipelineStage
 
-        from trainer import config as C
+        from trainer.config import schema as C
 
         self.stages = [PipelineStage(self.stage_modules[stage], stage, self.num_stages, self.device,
                                      group=self.pp_group) for stage, _ in self.parts]
@@ -499,7 +499,7 @@ class TorchNativeStrategy(Strategy):
             return super().load_checkpoint_from(folder, group, weights_only, param_groups)
         import torch.distributed.checkpoint as dcp
 
-        from trainer.safe_load import SafeFileSystemReader, SafeLoadPlanner
+        from trainer.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner
 
         embed, head = self.tied
         saved = SafeFileSystemReader(folder).read_metadata().state_dict_metadata
@@ -548,7 +548,7 @@ class TorchNativeStrategy(Strategy):
         """fp32 parameters, gradients and optimizer state of this rank's model-parallel part, sharded over the
         FSDP shard group; one block gathered (and the next prefetched) in the compute dtype, or every block with
         reshard_after_forward=false."""
-        from trainer.plan import HALF, optimizer_bytes_per_param
+        from trainer.planner.estimate import HALF, optimizer_bytes_per_param
 
         s = cfg.strategy
         shard = dims.dp_shard if dims.dp_size > 1 else 1
@@ -559,7 +559,7 @@ class TorchNativeStrategy(Strategy):
         block = counts.largest_block / max(dims.tp, 1)
         if dims.dp_size > 1:
             est.buffers = gathered_dtype * (rank_params if not s.reshard_after_forward else 2 * block)
-        from trainer.strategies.sync import sync_state_bytes
+        from trainer.parallel.sync import sync_state_bytes
 
         anchor, outer = sync_state_bytes(cfg, rank_params / shard)
         est.master_params += anchor
@@ -576,7 +576,7 @@ class TorchNativeStrategy(Strategy):
 
     # ---- export: one parameter at a time, from whichever stage holds it --------------------------------------
     def export_hf(self, out_dir: str, tokenizer, adapter_dir=None) -> list:
-        from trainer.hf_export import write_hf_folder_streaming
+        from trainer.exporting.hf_folder import write_hf_folder_streaming
 
         if self.adapters is not None:
             return self.write_exports(self.parts[0][1].config, tokenizer, out_dir, adapter_dir, self.full_tensors())

@@ -1,0 +1,203 @@
+"""The torch-native layouts' building blocks without launching a run: the optimizer kernel chosen per parameter
+type (DTensor parameters and torch's fused SGD), the fp64 gradient norm, per-layer attention settings on a
+pipeline stage, derived pipeline splits, and tensor-parallel plan refusals reported before any process group."""
+from __future__ import annotations
+
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.conftest import compose_config
+from tessera.errors import ConfigError
+
+
+def _dtensor_params(n=3):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    return [torch.nn.Parameter(distribute_tensor(torch.randn(4, 4), mesh, [Replicate()])) for _ in range(n)]
+
+
+def test_torch_still_has_no_fused_sgd_for_dtensors_but_fused_adamw(one_rank_group):
+    """The table DTENSOR_FUSED follows torch: if this starts failing, torch gained a fused SGD for DTensors and
+    'sgd' can join the table."""
+    from trainer.run.optim import DTENSOR_FUSED
+
+    params = _dtensor_params()
+    for p in params:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(NotImplementedError, match="_fused_sgd"):
+        torch.optim.SGD(params, lr=0.1, momentum=0.9, fused=True).step()
+    torch.optim.AdamW(params, lr=0.1, fused=True).step()
+    assert DTENSOR_FUSED == {"adamw"}
+
+
+@pytest.mark.parametrize("name,expected", [("sgd", {"foreach": True}), ("adamw", {"fused": True})])
+def test_auto_picks_the_kernel_per_parameter_type(one_rank_group, name, expected):
+    """auto: fused wherever the kernel takes the parameters; DTensor SGD steps with foreach, and trains."""
+    from trainer.run.optim import build_optimizer
+
+    cfg = compose_config([f"optim={name}"])
+    params = _dtensor_params()
+    opt = build_optimizer(cfg, [(f"p{i}", p) for i, p in enumerate(params)])
+    chosen = opt.defaults
+    if "fused" in expected:
+        assert chosen["fused"] is True
+    else:
+        assert not chosen.get("fused") and chosen.get("foreach") in (None, True)
+    before = [p.detach().full_tensor().clone() for p in params]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert all(not torch.equal(b, p.detach().full_tensor()) for b, p in zip(before, params))
+
+
+def test_explicit_fused_sgd_on_a_dtensor_strategy_is_a_config_problem():
+    from trainer.run.build import check
+
+    with pytest.raises(ConfigError) as e:
+        check(compose_config(["optim=sgd", "optim.implementation=fused", "strategy=fsdp"]), 2)
+    assert any("optim.implementation=fused" in p and "sgd" in p and "auto" in p for p in e.value.problems)
+    check(compose_config(["optim=adamw", "optim.implementation=fused", "strategy=fsdp"]), 2)  # no problem
+
+
+def test_gradient_square_sum_is_accumulated_in_fp64():
+    """A large embedding-like gradient: the fp64 sum matches an fp64 recomputation to 1e-12, where a plain fp32
+    sum of squares is measurably off."""
+    from trainer.strategies.base import grad_square_sum
+
+    torch.manual_seed(0)
+    grads = [torch.randn(50_000, 64) * 1e-3, torch.randn(64), torch.randn(300, 300)]
+    exact = sum(float(g.double().pow(2).sum()) for g in grads)
+    got = grad_square_sum(grads)
+    assert got.dtype == torch.float64
+    assert abs(float(got) - exact) / exact < 1e-12
+    naive = sum(float(g.pow(2).sum(dtype=torch.float32)) for g in [g.float() for g in grads])
+    assert naive != exact  # fp32 accumulation is not exact at this size
+
+
+def test_gradient_square_sum_of_dtensors(one_rank_group):
+    from trainer.strategies.base import world_square_sum
+
+    params = _dtensor_params()
+    exact = sum(float(p.detach().full_tensor().double().pow(2).sum()) for p in params)
+    got = world_square_sum([p.detach() for p in params], torch.device("cpu"))
+    assert abs(float(got) - exact) < 1e-9 * exact
+
+
+def _meta(model_type, **kw):
+    from transformers import AutoConfig
+
+    from models.init import meta_model
+
+    base = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=128, vocab_size=320, head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    base.update(kw)
+    return meta_model(AutoConfig.for_model(model_type, **base))
+
+
+def test_a_pipeline_stage_keeps_each_blocks_global_attention_type():
+    """The base model runs `config.layer_types[i]` for its i-th block: a later stage's base model sees the types
+    of its own (global) layers; the causal LM's config stays the full model's."""
+    from models import plans
+    from trainer.parallel.pipeline import cut_stage
+
+    types = ["sliding_attention", "full_attention", "full_attention", "sliding_attention"]
+    model = _meta("qwen3", layer_types=types, use_sliding_window=True, sliding_window=8, max_window_layers=0)
+    split = plans.pipeline_split(model)
+    cut_stage(model, split, first=False, last=True, layers=range(2, 4))
+    assert list(model.model.layers._modules) == ["2", "3"]
+    assert model.model.config.layer_types == types[2:]
+    assert model.config.layer_types == types and model.model.config is not model.config
+    assert model.model.embed_tokens is None
+
+
+@pytest.mark.parametrize("model_type,layers,first,last,zeroed", [
+    ("gpt_neox", "gpt_neox.layers", ["gpt_neox.embed_in"], ["gpt_neox.final_layer_norm", "lm_head"], []),
+    ("opt", "model.decoder.layers", ["model.decoder.embed_tokens", "model.decoder.embed_positions"],
+     ["model.decoder.final_layer_norm", "lm_head"], ["model.decoder.embed_positions"]),
+    ("qwen2", "model.layers", ["model.embed_tokens"], ["model.norm", "lm_head"], []),
+])
+def test_pipeline_splits_are_derived_from_the_decoder_layer_list(model_type, layers, first, last, zeroed):
+    from models import plans
+
+    extra = dict(ffn_dim=128, word_embed_proj_dim=64) if model_type == "opt" else {}
+    split = plans.pipeline_split(_meta(model_type, **extra))
+    assert (split.layers, split.first, split.last, split.zeroed_on_later_stages) == (layers, first, last, zeroed)
+
+
+@pytest.mark.parametrize("model_type,layers,extra", [
+    ("gpt2", "transformer.h", {}),
+    ("mixtral", "model.layers", {}),  # the experts' lists inside each block are not the blocks
+    ("jamba", "model.layers", {}),  # two block classes (attention, mamba) in one list
+])
+def test_decoder_blocks_are_the_items_of_the_largest_module_list(model_type, layers, extra):
+    from models.init import decoder_blocks
+
+    model = _meta(model_type, **extra)
+    blocks = decoder_blocks(model)
+    assert [name for name, _ in blocks] == [f"{layers}.{i}" for i in range(model.config.num_hidden_layers)]
+    assert all(block is model.get_submodule(name) for name, block in blocks)
+    assert decoder_blocks(torch.nn.Linear(2, 2)) == []
+
+
+def _info(model):
+    from types import SimpleNamespace
+
+    c = model.config
+    heads = getattr(c, "num_attention_heads", None)
+    return SimpleNamespace(num_heads=heads, num_kv_heads=getattr(c, "num_key_value_heads", None) or heads)
+
+
+def test_tp_plan_styles_of_transformers_are_accepted_and_unknown_ones_refused():
+    from models import plans
+
+    qwen3 = _meta("qwen3")
+    assert plans.tp_plan_problems(qwen3, _info(qwen3), 2) == []
+    assert "replicated_with_grad_allreduce" in plans.tp_plan(qwen3, 2).values()
+    opt = _meta("opt", ffn_dim=128, word_embed_proj_dim=64)
+    text = "\n".join(plans.tp_plan_problems(opt, _info(opt), 2))
+    assert "opt architecture has no tensor-parallel plan" in text and "strategy.tp=1" in text
+    model = _meta("llama")
+    model.config.base_model_tp_plan = {"layers.*.mlp.gate_proj": "exotic_style"}
+    text = "\n".join(plans.tp_plan_problems(model, _info(model), 2))
+    assert "'exotic_style'" in text and "strategy.tp=1" in text
+
+
+def test_tied_embeddings_are_detected_and_kept_whole_under_tp():
+    from models import plans
+
+    gpt2 = _meta("gpt2", n_embd=64, n_layer=2, n_head=4)
+    assert plans.ties_embeddings(gpt2)
+    llama = _meta("llama", tie_word_embeddings=True)
+    plan = plans.tp_plan(llama, 2)
+    assert plans.ties_embeddings(llama) and "model.embed_tokens" not in plan and "lm_head" not in plan
+    assert not plans.ties_embeddings(_meta("llama"))
+
+
+def test_strategies_checkpoint_every_kth_block_in_their_setup():
+    """Activation checkpointing is applied by the strategy's setup (after tensor parallelism, before any wrapper):
+    every 2nd decoder block of the model the strategy trains has Hugging Face's checkpointing switched on."""
+    import torch
+
+    from models import registry
+    from models.init import decoder_blocks
+    from models.tokenizer import embedded_tokenizer
+    from trainer.run.optim import build_optimizer
+    from trainer.parallel.dims import ParallelDims
+    from trainer.run.precision import Precision
+    from trainer.strategies.single import SingleStrategy
+
+    cfg = compose_config(["model.hidden_size=64", "model.num_layers=4", "model.num_heads=4",
+                          "train.activation_checkpointing=full", "train.activation_checkpointing_every=2"])
+    info = registry.describe(cfg.model, embedded_tokenizer())
+    model = registry.build(cfg.model, info, seed=0)
+    assert not any(getattr(b, "gradient_checkpointing", False) for _, b in decoder_blocks(model))
+    dims = ParallelDims.from_config(cfg.strategy if cfg.strategy.name == "single" else compose_config(
+        ["strategy=single"]).strategy, 1)
+    strategy = SingleStrategy(cfg, dims, torch.device("cpu"), Precision(cfg, torch.device("cpu")))
+    strategy.setup(model, lambda named: build_optimizer(cfg, named))
+    flags = [bool(getattr(b, "gradient_checkpointing", False)) for _, b in decoder_blocks(strategy.unwrapped())]
+    assert flags == [True, False, True, False], flags

@@ -1,0 +1,242 @@
+"""Tensor parallelism as one function: `apply_tp(part, plan, tp_mesh, sequence_parallel)` splits a model's
+modules by a plan of Hugging Face style names ({module path pattern: style}, models/plans.py) with DTensor, and
+gives every parameter the plan leaves whole a replicated DTensor (the optimizer's and clipping's fused kernels
+can't mix DTensors and plain tensors). Parameters that modules share (tied embeddings) stay shared."""
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+
+def _styles(sequence_parallel: bool) -> dict:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    sp = sequence_parallel
+    return {
+        # Sequence parallelism: outside attention and MLP the activations stay split over the sequence (dim 1);
+        # the modules holding column-parallel projections gather it at their input (Hugging Face's attention
+        # takes its shapes from its input), the row-parallel outputs reduce-scatter it.
+        "colwise": lambda: ColwiseParallel(),
+        "rowwise": lambda: RowwiseParallel(output_layouts=Shard(1)) if sp else RowwiseParallel(),
+        "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+        # The input arrives whole (e.g. after a gathered column-parallel output): each rank takes its slice.
+        "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+        if sp else RowwiseParallel(input_layouts=Replicate()),
+        # Kept whole on every rank, but it works on this rank's heads only (Qwen3's per-head q/k norms): its
+        # gradient is a partial sum that all tensor-parallel ranks add up.
+        "replicated_with_grad_allreduce": lambda: _ReplicatedGradAllReduce(),
+        # Mixture-of-experts blocks: Tessera keeps the experts whole on every rank (parameter-level plans such as
+        # `packed_colwise` on the fused expert tensors are not applied); attention is still split.
+        "moe_tp_experts": lambda: _WholeOnEveryRank(),
+    }
+
+
+def _replicate_parameters(module, mesh) -> None:
+    """The module's own plain parameters as replicated DTensors (one kind of parameter for the optimizer)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    for key, p in list(module.named_parameters(recurse=False)):
+        if not isinstance(p, DTensor):
+            module.register_parameter(key, nn.Parameter(DTensor.from_local(p.data, mesh, [Replicate()],
+                                                                           run_check=False),
+                                                        requires_grad=p.requires_grad))
+
+
+def _ReplicatedGradAllReduce():
+    """Parameters replicated; the input is this rank's share (its heads) of a larger tensor, so it enters as a
+    DTensor sharded over a dimension the module does not reduce (the batch): DTensor then sums the weight's
+    gradient over the ranks in backward (a partial sum all-reduced), also under FSDP."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    class ReplicatedGradAllReduce(ParallelStyle):
+        def _apply(self, module, device_mesh):
+            from torch.distributed.tensor import distribute_module
+
+            def inputs(mod, args, mesh):
+                return tuple(DTensor.from_local(x, mesh, [Shard(0)], run_check=False)
+                             if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in args)
+
+            def outputs(mod, out, mesh):
+                return out.to_local() if isinstance(out, DTensor) else out
+
+            return distribute_module(module, device_mesh, lambda name, mod, mesh: _replicate_parameters(mod, mesh),
+                                     input_fn=inputs, output_fn=outputs)
+
+    return ReplicatedGradAllReduce()
+
+
+
+def _WholeOnEveryRank():
+    """A module kept whole on every rank that computes the same on each (mixture-of-experts experts: routing,
+    grouped matmuls): parameters are replicated DTensors (one kind of parameter for the optimizer) but its
+    forward runs on their local tensors, since DTensor has no rule (or a narrower one) for its data-dependent
+    ops. The gradient comes back Replicate; every rank computed the same, so no reduction is needed."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    class WholeOnEveryRank(ParallelStyle):
+        def _apply(self, module, device_mesh):
+            _replicate_parameters(module, device_mesh)
+
+            # A plain tensor in a parameter's place: no public API registers one (setattr wants a Parameter).
+            def local_params(mod, args, kwargs):
+                saved = {k: p for k, p in mod._parameters.items() if isinstance(p, DTensor)}
+                mod._tessera_dtensor_params = saved
+                for k, p in saved.items():
+                    mod._parameters[k] = p.to_local()  # differentiable: the gradient reaches the DTensor
+                args = tuple(a.to_local() if isinstance(a, DTensor) else a for a in args)
+                kwargs = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in kwargs.items()}
+                return args, kwargs
+
+            def restore(mod, args, output):
+                mod._parameters.update(mod._tessera_dtensor_params)
+                mod._tessera_dtensor_params = {}
+                return output
+
+            module.register_forward_pre_hook(local_params, with_kwargs=True)
+            module.register_forward_hook(restore)
+            return module
+
+    return WholeOnEveryRank()
+
+
+def resolve_plan(part: nn.Module, plan: dict) -> dict:
+    """{module name: style name} for the modules of `part` the plan's patterns match (`*` is a layer index)."""
+    names = [n for n, m in part.named_modules() if n and not isinstance(m, nn.Identity) and m is not None]
+    resolved = {}
+    for pattern, style in plan.items():
+        regex = pattern.replace(".", r"\.").replace("*", r"\d+")
+        for n in names:
+            if re.fullmatch(regex, n):
+                resolved[n] = style
+    return resolved
+
+
+def apply_tp(part: nn.Module, plan: dict, tp_mesh, sequence_parallel: bool) -> None:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                                   SequenceParallel, parallelize_module)
+
+    from models.init import decoder_blocks, retie, shared_parameters
+
+    ties = shared_parameters(part)
+    styles = _styles(sequence_parallel)
+    unknown = sorted({st for st in plan.values() if st not in styles})
+    if unknown:
+        from tessera.errors import ModelError
+
+        raise ModelError(f"the model's tensor-parallel plan uses style(s) {', '.join(map(repr, unknown))}, which "
+                         f"Tessera does not apply (supported: {', '.join(styles)}); set strategy.tp=1")
+    resolved = {n: styles[st]() for n, st in resolve_plan(part, plan).items()}
+    grad_allreduce = {n for n, st in resolve_plan(part, plan).items() if st == "replicated_with_grad_allreduce"}
+    if sequence_parallel:
+        gather_at = {n.rpartition(".")[0] for n, st in resolved.items() if isinstance(st, ColwiseParallel)}
+        gather_at = {n for n in gather_at if n and any(n.startswith(b + ".") for b, _ in decoder_blocks(part))}
+        hook = _sequence_gather_hook(tp_mesh)
+        for n in gather_at:
+            part.get_submodule(n).register_forward_pre_hook(hook, with_kwargs=True)
+        blocks = decoder_blocks(part)
+        for name, block in blocks:  # the blocks' norms work on sequence shards
+            for sub_name, sub in block.named_modules():
+                full = f"{name}.{sub_name}" if sub_name else name
+                if full in grad_allreduce:
+                    continue
+                if "norm" in type(sub).__name__.lower() and any(True for _ in sub.parameters(recurse=False)):
+                    resolved[full] = SequenceParallel(use_local_output=True)
+        # The model's own code (masks, positions) sees whole sequences: split them entering this stage's
+        # first block, gather them leaving its last.
+        resolved[blocks[0][0]] = PrepareModuleInput(input_layouts=(Replicate(),),
+                                                    desired_input_layouts=(Shard(1),), use_local_output=True)
+        last = blocks[-1][0]
+        if last == blocks[0][0]:
+            parallelize_module(part.get_submodule(last), tp_mesh, resolved.pop(last))
+        resolved[last] = PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate())
+    parallelize_module(part, tp_mesh, resolved)
+    _replicate_the_rest(part, tp_mesh)
+    retie(ties)  # distribute_module gives each module its own DTensor parameter
+
+
+def _sequence_gather_hook(tp_mesh):
+    """Forward pre-hook: the sequence-split hidden states (first argument or `hidden_states=`) made whole (an
+    all-gather whose backward reduce-scatters)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    def whole(x):
+        d = DTensor.from_local(x, tp_mesh, [Shard(1)], run_check=False)
+        return d.redistribute(tp_mesh, [Replicate()]).to_local()
+
+    def hook(module, args, kwargs):
+        if args:
+            args = (whole(args[0]), *args[1:])
+        elif "hidden_states" in kwargs:
+            kwargs = dict(kwargs, hidden_states=whole(kwargs["hidden_states"]))
+        return args, kwargs
+
+    return hook
+
+
+def _replicate_the_rest(part, tp_mesh) -> None:
+    """Modules the plan leaves whole (norms; embeddings/head when not split) get their parameters as replicated
+    DTensors, taking and returning plain tensors."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module
+
+    def to_dtensor(mod, inputs, mesh):
+        return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                     if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
+
+    def to_local(mod, outputs, mesh):
+        return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+    done = set()
+    for module in list(part.modules()):
+        own = [p for p in module.parameters(recurse=False)]
+        if own and not all(isinstance(p, DTensor) for p in own) and not all(id(p) in done for p in own):
+            distribute_module(module, tp_mesh, input_fn=to_dtensor, output_fn=to_local)
+            done.update(id(p) for p in module.parameters(recurse=False))
+
+
+def grads_in_param_layout(module) -> None:
+    """Hooks, set after materialization (which makes new parameter objects): each DTensor parameter's gradient in
+    the parameter's own layout. Torch's embedding backward returns the vocabulary-split weight's gradient
+    Replicate: without this every rank would hold the whole embedding gradient until the step (Replicate ->
+    Shard keeps the local slice, no communication); a replicated parameter's partial gradient is summed.
+    FSDP2 does the same for the parameters it manages."""
+    from torch.distributed.tensor import DTensor
+
+    def layout_hook(param):
+        def to_param_layout(grad):
+            if isinstance(grad, DTensor) and grad.placements != param.placements:
+                return grad.redistribute(param.device_mesh, param.placements)
+            return grad
+        return to_param_layout
+
+    for p in module.parameters():
+        if isinstance(p, DTensor) and p.requires_grad:
+            p.register_hook(layout_hook(p))
+
+
+# DTensor's functional collectives (what redistributing a tensor-parallel activation or gradient calls):
+# function -> (kind, argument counted; "*": the result), as trainer/observe/comm_bytes.py counts torch.distributed's.
+FUNCTIONAL_COLLECTIVES = {
+    "all_reduce": ("all_reduce", "self"), "all_reduce_coalesced": ("all_reduce", "self"),
+    "all_gather_single": ("all_gather", "*"), "all_gather_tensor": ("all_gather", "*"),
+    "all_gather_tensor_autograd": ("all_gather", "*"), "reduce_scatter_single": ("reduce_scatter", "self"),
+    "reduce_scatter_tensor": ("reduce_scatter", "self"), "reduce_scatter_tensor_autograd": ("reduce_scatter", "self"),
+    "all_to_all_single": ("all_to_all", "self"), "broadcast": ("broadcast", "self"),
+}
+
+
+def count_functional_collectives() -> None:
+    """comm_bytes for DTensor's redistributions: they call torch's functional collectives (a private module,
+    reached through its module attributes), not torch.distributed's functions."""
+    import torch.distributed._functional_collectives as funcol
+
+    from trainer.observe import comm_bytes
+
+    comm_bytes.wrap(funcol, FUNCTIONAL_COLLECTIVES)

@@ -1,0 +1,1 @@
+"""The preflight planner: memory and feasibility from the composed config, before anything is allocated."""

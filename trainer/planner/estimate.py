@@ -1,0 +1,384 @@
+"""Preflight planner: memory and feasibility before launch, from the composed config, without allocating the
+model (it is built on the meta device).
+
+    python -m trainer.plan <the same overrides as training> [plan.world_size=N] [plan.device_memory=80]
+    ./launch.sh plan <overrides>
+
+Prints, per rank: bytes of parameters, gradients, optimizer state and fp32 master weights for the chosen
+strategy (every strategy's own rules: DDP replicas, ZeRO partitions and buckets, FSDP shards and the block being
+gathered, tensor-parallel splits, pipeline stages, offload), activations (sequence length, micro-batch,
+activation checkpointing, in-flight pipeline micro-batches), host RAM while loading, and every check the
+trainer would run before starting (divisibility of degrees, heads, layers, batch). With `plan.device_memory`
+(GiB per device) it says whether the run fits and lists the strategies that would, cheapest first.
+
+Each strategy states its own model-state estimate (`Strategy.estimate_model_states`); the figures follow what
+the memory report (logging.memory_report=true, trainer/observe/memory.py) measures in real runs (per-category peaks
+over the first step); tests compare them at world sizes 2 and 4. Activations are an estimate (what autograd keeps per
+token and layer for a Llama-style block with fused attention), flagged as such.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from trainer.config.compose import CONF_DIR
+
+GIB = 2 ** 30
+HALF = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+@dataclass
+class Counts:
+    """Parameter counts of the model (elements), from a meta-device build."""
+
+    total: int
+    blocks: List[int]  # per decoder block
+    first: int  # embeddings (first pipeline stage)
+    last: int  # final norm + head (last pipeline stage)
+    other: int  # anything else (outside blocks, embeddings, head)
+    tp_split: Dict[str, int] = field(default_factory=dict)  # params split by tensor parallelism, per block / ends
+    largest_block: int = 0
+    largest_param: int = 0
+
+
+def count_parameters(model, tp: int = 1) -> Counts:
+    import fnmatch
+
+    from models import plans
+    from models.init import decoder_blocks
+
+    params = dict(model.named_parameters())
+    blocks = decoder_blocks(model)
+    block_counts = [sum(p.numel() for p in b.parameters()) for _, b in blocks]
+    split = plans.pipeline_split(model)
+    first = sum(model.get_submodule(p).weight.numel() for p in (split.first if split else [])
+                if hasattr(model.get_submodule(p), "weight"))
+    last = 0
+    if split:
+        for path in split.last:
+            last += sum(p.numel() for p in model.get_submodule(path).parameters())
+    total = sum(p.numel() for p in params.values())
+    plan = plans.tp_plan(model, tp) if tp > 1 else None
+    tp_split = {}
+    if plan:
+        for name, p in params.items():
+            module = name.rpartition(".")[0]
+            if any(fnmatch.fnmatch(module, pattern.replace("*", "[0-9]*")) for pattern in plan):
+                tp_split[name] = p.numel()
+    other = total - sum(block_counts) - first - last
+    return Counts(total, block_counts, first, last, other, tp_split, max(block_counts, default=0),
+                  max((p.numel() for p in params.values()), default=0))
+
+
+@dataclass
+class Estimate:
+    strategy: str
+    world_size: int
+    params: float = 0.0
+    grads: float = 0.0
+    optimizer: float = 0.0
+    master_params: float = 0.0
+    buffers: float = 0.0  # transient: gathered FSDP blocks, ZeRO buckets beyond gradients
+    activations: float = 0.0
+    host_params: float = 0.0  # offloaded model states (host RAM, per process)
+    host_load: float = 0.0  # host RAM per process while the model is built/loaded
+    notes: List[str] = field(default_factory=list)
+    problems: List[str] = field(default_factory=list)
+
+    @property
+    def model_states(self) -> float:
+        return self.params + self.grads + self.optimizer + self.master_params
+
+    @property
+    def device_total(self) -> float:
+        return self.model_states + self.buffers + self.activations
+
+
+def optimizer_bytes_per_param(cfg) -> int:
+    """fp32 optimizer-state bytes per parameter."""
+    if cfg.optim.name == "adamw":
+        return 8  # exp_avg + exp_avg_sq, fp32
+    return 4 if cfg.optim.momentum else 0
+
+
+def _stage_share(cfg, dims, counts: Counts, info) -> tuple:
+    """(parameters on the heaviest pipeline rank, of which split by tensor parallelism) in elements."""
+    from models import plans
+    from trainer.parallel.pipeline import SCHEDULES, stage_indices, stages_per_rank
+
+    s = cfg.strategy
+    if dims.pp <= 1:
+        split = sum(counts.tp_split.values())
+        return counts.total, split
+    per_rank = stages_per_rank(s)
+    n_stages = dims.pp * per_rank
+    ranges = plans.stage_layers(len(counts.blocks), n_stages, s.pp_split_points)
+    v_shape = SCHEDULES.get(s.pp_schedule, (None, 1))[1] == "v"
+    best = (0, 0)
+    for r in range(dims.pp):
+        n = 0
+        for stage in stage_indices(r, dims.pp, per_rank, v_shape):
+            n += sum(counts.blocks[i] for i in ranges[stage])
+            n += counts.first if stage == 0 else 0
+            n += counts.last if stage == n_stages - 1 else 0
+        frac = sum(counts.tp_split.values()) / max(counts.total, 1)
+        if n > best[0]:
+            best = (n, int(n * frac))
+    return best
+
+
+def activation_bytes(cfg, info, dims, layers_here: int) -> float:
+    """Estimate of what autograd keeps for one step on the heaviest rank (bytes)."""
+    t = cfg.train
+    tokens = t.micro_batch_size * cfg.data.seq_len
+    h, hkv = info.hidden_size, info.hidden_size * info.num_kv_heads // max(info.num_heads, 1)
+    inter = getattr(info.hf_config, "intermediate_size", None) or getattr(info.hf_config, "n_inner", None) or 4 * h
+    a = HALF.get(cfg.precision.name, 4)
+    # per token and block: norm inputs/outputs, q, k, v, attention output, o_proj input, MLP gate/up/act/product
+    split_values = (h + 2 * hkv + h + 4 * inter) / max(dims.tp, 1)
+    whole_values = 4 * h / (dims.tp if cfg.strategy.sequence_parallel else 1)
+    per_block = tokens * (split_values + whole_values) * a + tokens * 2 * h * 4  # + fp32 norm upcasts
+    kept = layers_here
+    if t.activation_checkpointing == "full":
+        k = t.activation_checkpointing_every
+        checkpointed = layers_here // k
+        kept_full = layers_here - checkpointed
+        per_block_ckpt = tokens * h * a  # only the block's input
+        blocks = kept_full * per_block + checkpointed * per_block_ckpt + per_block  # + one block recomputed
+    else:
+        blocks = kept * per_block
+    in_flight = 1
+    if dims.pp > 1:
+        from trainer.config import schema as C
+
+        micro = C.grad_accumulation_steps(cfg, dims.dp_size)
+        in_flight = micro if cfg.strategy.pp_schedule in ("gpipe", "looped_bfs") else min(micro, dims.pp)
+    logits = tokens * info.vocab_size * (4 + 4 + a)  # fp32 logits for the loss, their gradient, the head output
+    return blocks * in_flight + logits
+
+
+def estimate(cfg, world_size: int, info, counts: Optional[Counts] = None) -> Estimate:
+    from trainer.run import build as B
+    from tessera.errors import ConfigError, one_line
+    from trainer.parallel.dims import ParallelDims
+    from trainer.strategies import strategy_class
+
+    s = cfg.strategy
+    est = Estimate(s.name, world_size)
+    try:
+        B.check(cfg, world_size)
+    except ConfigError as e:
+        est.problems = list(e.problems)
+    except Exception as e:  # noqa: BLE001 - an unknown model etc.: still a problem to report
+        from trainer.run.cli import debug_traceback
+
+        debug_traceback()
+        est.problems = [one_line(e)]
+    if ParallelDims.problems(s, world_size):
+        return est
+    dims = ParallelDims.from_config(s, world_size)
+    model = None
+    if counts is None:
+        from models.lora import meta_adapted
+
+        model = meta_adapted(info.hf_config, cfg.peft)  # peft=lora: the adapters counted in
+        counts = count_parameters(model, dims.tp)
+    here, split = _stage_share(cfg, dims, counts, info)
+    rank_params = (here - split) + split / max(dims.tp, 1)  # model-parallel part of this rank
+    layers_here = max(1, round(len(counts.blocks) * here / max(counts.total, 1)))
+    est.activations = activation_bytes(cfg, info, dims, layers_here)
+    nproc = max(1, world_size)
+    cls = strategy_class(s.name)
+    if cls is None:  # an unknown strategy: the config problems say so
+        return est
+    cls.estimate_model_states(est, cfg, dims, counts, rank_params)  # each strategy's own rules
+    if cfg.peft.name != "none" and model is not None:
+        lora_states(est, cfg, info, model)
+    est.notes.append(f"host RAM per node while loading: {est.host_load * min(nproc, _local_procs()) / GIB:.2f} GiB "
+                     f"({min(nproc, _local_procs())} processes)")
+    return est
+
+
+# bitsandbytes' nf4 with double quantization: 4 bits per weight, an 8-bit scale per block of 64 and an fp32 scale of
+# those per 256 blocks
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
+
+
+def lora_states(est: Estimate, cfg, info, model) -> None:
+    """peft=lora: gradients, optimizer state and master weights exist for the adapters only; each strategy shards
+    (or not) what trains as it shards the rest, so its estimate scales by the trainable fraction. QLoRA: the linear
+    layers of the base (all but the head, as transformers quantizes) in nf4."""
+    from torch import nn
+
+    from models.lora import Adapters
+
+    adapters = Adapters(model)
+    fraction = adapters.trained / max(adapters.total, 1)
+    est.grads *= fraction
+    est.optimizer *= fraction
+    est.master_params *= fraction
+    est.notes.append(f"peft=lora: {adapters.trained / 1e6:.3f}M of {adapters.total / 1e6:.2f}M parameters train "
+                     f"(gradients, optimizer state and master weights for those only)")
+    if cfg.peft.quantization == "nf4":
+        from models.init import meta_model
+
+        base = meta_model(info.hf_config)
+        head = base.get_output_embeddings()
+        quantized = sum(m.weight.numel() for m in base.modules() if isinstance(m, nn.Linear) and m is not head)
+        est.params -= (4 - NF4_BYTES) * quantized
+        est.notes.append(f"peft.quantization=nf4: {quantized / 1e6:.2f}M base weights at {NF4_BYTES:.3f} bytes each")
+
+
+def is_pretrained(cfg) -> bool:
+    return cfg.model.kind == "hf"
+
+
+def _local_procs() -> int:
+    for key in ("LOCAL_WORLD_SIZE", "NPROC_PER_NODE"):
+        if os.environ.get(key, "").isdigit():
+            return int(os.environ[key])
+    return 8
+
+
+def feasible(cfg, world_size: int, info, device_gib: float) -> tuple:
+    """([(device total GiB, strategy, fits)] for every strategy valid at this world size with its group's
+    default degrees, cheapest first; [(strategy, its first problem)] for the others)."""
+    import copy
+
+    from omegaconf import OmegaConf
+
+    from models.init import meta_model
+    from trainer.config import schema as C
+    from trainer.strategies import STRATEGIES
+
+    rows, invalid = [], []
+    conf = str(CONF_DIR / "strategy")
+    for name in STRATEGIES:
+        path = os.path.join(conf, f"{name}.yaml")
+        if not os.path.exists(path):
+            continue
+        candidate = copy.deepcopy(cfg)
+        group = OmegaConf.merge(OmegaConf.structured(C.StrategyConfig), OmegaConf.load(path))
+        candidate.strategy = OmegaConf.to_object(group)
+        est = estimate(candidate, world_size, info,
+                       count_parameters(meta_model(info.hf_config), max(1, candidate.strategy.tp)))
+        if est.problems:
+            invalid.append((name, est.problems[0]))
+            continue
+        rows.append((est.device_total / GIB, name, est.device_total / GIB <= device_gib))
+    return sorted(rows), invalid
+
+
+def count_parameters_total(info) -> int:
+    from models.init import meta_model
+
+    return sum(p.numel() for p in meta_model(info.hf_config).parameters())
+
+
+def _gib(x: float) -> str:
+    return f"{x / GIB:8.3f}"
+
+
+def report(cfg, world_size: int, info, est: Estimate, device_gib: Optional[float]) -> str:
+    lines = [f"plan: strategy={est.strategy} world size {world_size} | model {cfg.model.kind} "
+             f"{cfg.model.name_or_path or ''}({info.num_layers} layers, hidden {info.hidden_size}, "
+             f"{count_parameters_total(info) / 1e6:.1f}M params) | precision {cfg.precision.name} | micro-batch "
+             f"{cfg.train.micro_batch_size} x seq {cfg.data.seq_len}"]
+    if est.problems:
+        lines.append("checks: FAIL")
+        lines += [f"  - {p}" for p in est.problems]
+    else:
+        lines.append("checks: ok (degrees, heads, layers, batch divisibility, strategy options)")
+    lines += ["per rank (GiB, heaviest rank):",
+              f"  parameters     {_gib(est.params)}", f"  gradients      {_gib(est.grads)}",
+              f"  optimizer      {_gib(est.optimizer)}", f"  fp32 master    {_gib(est.master_params)}",
+              f"  model states   {_gib(est.model_states)}",
+              f"  buffers        {_gib(est.buffers)}  (transient: gathered blocks / reduction buckets)",
+              f"  activations    {_gib(est.activations)}  (estimate)",
+              f"  device total   {_gib(est.device_total)}",
+              f"  host, offload  {_gib(est.host_params)}",
+              f"  host, loading  {_gib(est.host_load)}  (per process)"]
+    lines += [f"note: {n}" for n in est.notes]
+    if device_gib is not None:
+        fits = est.device_total / GIB <= device_gib
+        verdict = "fits" if fits else "does NOT fit"
+        if est.problems:
+            verdict += ", but the config has the problems above"
+        lines.append(f"device memory {device_gib:g} GiB: {verdict} ({est.device_total / GIB:.2f} GiB needed)")
+        rows, invalid = feasible(cfg, world_size, info, device_gib)
+        lines.append(f"strategies at world size {world_size} (their groups' default degrees), cheapest first:")
+        for total, name, ok in rows:
+            lines.append(f"  {name:14s} {total:8.3f} GiB  {'fits' if ok else 'too big'}")
+        for name, problem in invalid:
+            lines.append(f"  {name:14s}     n/a    not valid here: {problem}")
+    return "\n".join(lines)
+
+
+EXIT_DOES_NOT_FIT = 1  # `plan` only: the config is valid but needs more than plan.device_memory per device
+
+
+def main(argv=None) -> int:
+    """Exit codes: 0 valid (and fits plan.device_memory when given), 1 valid but does not fit, 2 the config has
+    problems (the same problems and code training would give)."""
+    from trainer.run.cli import sanitize_argv
+    from tessera.errors import EXIT_BAD_INPUT, TesseraError
+
+    argv = sanitize_argv(list(sys.argv[1:] if argv is None else argv))
+    try:
+        cfg, world_size, device_gib = _compose(argv)
+        from models import registry
+
+        tokenizer = registry.load_tokenizer(cfg.model)
+        info = registry.describe(cfg.model, tokenizer)
+        est = estimate(cfg, world_size, info)
+        print(report(cfg, world_size, info, est, device_gib))
+    except TesseraError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if est.problems:
+        return EXIT_BAD_INPUT  # the config has problems: the same code as training would give
+    if device_gib is not None and est.device_total / GIB > device_gib:
+        return EXIT_DOES_NOT_FIT  # valid, but does not fit plan.device_memory
+    return 0
+
+
+def _compose(overrides):
+    """The training config from the same overrides, plus plan.world_size / plan.device_memory."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from trainer.config import schema as C
+    from trainer.config.compose import compose
+    from tessera.errors import ConfigError, one_line
+
+    plan = {}
+    rest = []
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if key in ("plan.world_size", "plan.device_memory"):
+            plan[key] = value
+        else:
+            rest.append(o)
+    try:
+        cfg = C.to_object(compose(rest))
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError([one_line(e)]) from None
+    try:
+        ws = plan.get("plan.world_size") or os.environ.get("WORLD_SIZE")
+        if not ws:  # one process for a strategy without a process group, else what the launcher would start
+            from trainer.strategies import strategy_class
+
+            cls = strategy_class(cfg.strategy.name)
+            ws = 1 if cls is not None and not cls.needs_process_group else \
+                int(os.environ.get("NPROC_PER_NODE", 1)) * int(os.environ.get("NNODES", 1))
+        ws = int(ws)
+        device = float(plan["plan.device_memory"]) if "plan.device_memory" in plan else None
+    except ValueError:
+        raise ConfigError(["plan.world_size must be an integer and plan.device_memory a number of GiB"]) from None
+    return cfg, ws, device
+
+
+if __name__ == "__main__":
+    sys.exit(main())
