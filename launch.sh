@@ -10,7 +10,7 @@
 #   ./launch.sh model=hf model.name_or_path=/models/my-llama data=text data.path=/data/corpus.txt
 #
 # Environment: NPROC_PER_NODE (default: the local GPUs, or 2 processes on a CPU-only machine), NNODES (1; MIN:MAX
-# for an elastic job, see README "When ranks fail"), NODE_RANK (0), MASTER_ADDR, MASTER_PORT, RDZV_ID (elastic),
+# for an elastic job, see docs/fault-tolerance.md), NODE_RANK (0), MASTER_ADDR, MASTER_PORT, RDZV_ID (elastic),
 # HOSTFILE (deepspeed), TESSERA_VENV (default ./.venv),
 # TESSERA_PYTHON (the interpreter that creates the venv, default python3), TESSERA_TORCH (the torch
 # requirement installed first, default torch==2.13.0).

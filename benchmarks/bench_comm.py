@@ -6,10 +6,16 @@ momentum 0.5), on 2 ranks.
     python benchmarks/bench_comm.py                       # tiny preset, 512 steps of 16 x 64 tokens, 2 ranks
     python benchmarks/bench_comm.py --steps 1024 --out /tmp/comm.json --plot /tmp/comm.png
     python benchmarks/bench_comm.py --quick               # debug-size model, 64 steps, 4 modes (what the tests run)
+    python benchmarks/bench_comm.py --overhead            # ms/step with logging.comm_bytes off and on (DDP, FSDP)
 
 Per mode: bytes per step (the trainer's comm_bytes, rank 0, averaged over every step; and sync's / this), final
 train loss (mean of the last 10% of steps) and validation loss at the end, each against sync, and tokens/s.
 --plot writes loss against tokens trained for every mode (needs matplotlib). See benchmarks/README.md.
+
+--overhead: what counting the bytes costs. Per strategy (--strategies, default ddp,fsdp; 2 ranks) one run with
+logging.comm_bytes=false and one with true, same shape (default: the tiny preset, 16 x 64 tokens, 5 + 40 steps;
+--repeats alternates more pairs); per run the median step time after the warmup (a step: from one logged record
+to the next, log_every=1), and on / off.
 """
 from __future__ import annotations
 
@@ -43,6 +49,7 @@ QUICK_MODES = "sync,bf16,local_sgd_h8,diloco_h8"
 def measure(a, mode: str, work: str) -> dict:
     overrides = [*C.shape_overrides(a), "strategy=ddp", *MODES[mode], "eval.at_end=true", "eval.max_sequences=256",
                  f"optim.lr={a.lr}"]
+    overrides.append("logging.comm_bytes=true")  # metrics.jsonl's comm_bytes
     run = C.run_trainer(overrides, 2, os.path.join(work, mode), C.thread_env(a.threads), a.timeout)
     records = [r for r in run["metrics"] if "loss" in r]
     tail = records[-max(1, len(records) // 10):]
@@ -52,6 +59,67 @@ def measure(a, mode: str, work: str) -> dict:
             "val_loss": next((r["val_loss"] for r in reversed(run["metrics"]) if "val_loss" in r), None),
             "tokens_per_s": C.tokens_per_s(run["metrics"], a.warmup),
             "curve": [(r["tokens"], r["loss"]) for r in records]}
+
+
+OVERHEAD_STRATEGIES = "ddp,fsdp"
+
+
+def step_ms(records, a) -> list:
+    """Each measured step's time in ms: the sequence tokens of a step over the record's seq_tokens_per_s."""
+    seq_tokens = a.global_batch * a.seq_len
+    return [1e3 * seq_tokens / r["seq_tokens_per_s"] for r in records
+            if r["step"] > a.warmup and r.get("seq_tokens_per_s", 0) > 0]
+
+
+def measure_overhead(a, work: str) -> list:
+    """One row per (strategy, logging.comm_bytes): the median ms/step of each run, and whether comm_bytes logged."""
+    import statistics
+
+    rows = []
+    for strategy in a.strategies.split(","):
+        for repeat in range(a.repeats):
+            for on in (False, True):
+                name = f"{strategy}-{'on' if on else 'off'}-{repeat}"
+                overrides = [*C.shape_overrides(a), f"strategy={strategy}", f"logging.comm_bytes={str(on).lower()}"]
+                run = C.run_trainer(overrides, 2, os.path.join(work, name), C.thread_env(a.threads), a.timeout)
+                times = step_ms(run["metrics"], a)
+                logged = any("comm_bytes" in r for r in run["metrics"])
+                assert logged == on, f"{name}: comm_bytes in metrics.jsonl is {logged}"
+                rows.append({"strategy": strategy, "comm_bytes": on, "repeat": repeat, "steps": len(times),
+                             "median_ms": statistics.median(times), "step_ms": times})
+                print(f"[{name}] median {rows[-1]['median_ms']:.2f} ms/step over {len(times)} steps", flush=True)
+    return rows
+
+
+def report_overhead(rows) -> str:
+    import statistics
+
+    table = []
+    for strategy in dict.fromkeys(r["strategy"] for r in rows):
+        off = [r["median_ms"] for r in rows if r["strategy"] == strategy and not r["comm_bytes"]]
+        on = [r["median_ms"] for r in rows if r["strategy"] == strategy and r["comm_bytes"]]
+        off_ms, on_ms = statistics.median(off), statistics.median(on)
+        table.append([strategy, len(off), f"{off_ms:.2f}", f"{on_ms:.2f}", f"{on_ms - off_ms:+.2f}",
+                      f"{on_ms / off_ms:.3f}"])
+    return C.markdown_table(["strategy", "runs each", "off ms/step", "on ms/step", "on - off", "on / off"], table)
+
+
+def overhead_main(a) -> int:
+    work = tempfile.mkdtemp(prefix="tessera-comm-overhead-")
+    try:
+        rows = measure_overhead(a, work)
+    except (C.RunFailed, AssertionError) as e:
+        print(f"failed: {e}", flush=True)
+        return 1
+    finally:
+        if a.keep:
+            print(f"runs kept in {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    print("\n" + report_overhead(rows))
+    C.write_json(a.out, {"config": {k: getattr(a, k) for k in (*FULL, "threads", "set", "strategies", "repeats")},
+                         "rows": rows})
+    return 0
 
 
 def report(rows) -> str:
@@ -100,7 +168,16 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=3e-3, help="inner learning rate, AdamW (default 3e-3)")
     ap.add_argument("--plot", help="write loss vs tokens as a PNG here")
     ap.add_argument("--keep", action="store_true", help="keep the run folders and logs")
-    a = C.finish_shape(ap, ap.parse_args(argv))
+    ap.add_argument("--overhead", action="store_true", help="ms/step with logging.comm_bytes off and on instead")
+    ap.add_argument("--strategies", default=OVERHEAD_STRATEGIES, help=f"--overhead: default {OVERHEAD_STRATEGIES}")
+    ap.add_argument("--repeats", type=int, default=1, help="--overhead: off/on pairs per strategy (default 1)")
+    ns = ap.parse_args(argv)
+    if ns.overhead:
+        ns.warmup = 5 if ns.warmup is None else ns.warmup
+        ns.steps = 40 if ns.steps is None else ns.steps
+    a = C.finish_shape(ap, ns)
+    if a.overhead:
+        return overhead_main(a)
     modes = (a.modes or (QUICK_MODES if a.quick else ",".join(MODES))).split(",")
     unknown = [m for m in modes if m not in MODES]
     if unknown:

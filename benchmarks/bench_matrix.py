@@ -79,7 +79,7 @@ def measure(a, strategy: str, n: int, work: str) -> dict:
     if degrees is None:
         return {**row, "not_run": "no instance of this strategy at this world size"}
     overrides = [*C.shape_overrides(a), f"strategy={strategy}", *degrees, "logging.memory_report=true",
-                 "checkpoint.at_end=true"]
+                 "logging.comm_bytes=true", "checkpoint.at_end=true"]  # comm_bytes: collectives()
     cfg = C.compose(overrides)
     pp = n if strategy == "pp" else 1
     micro_batches = a.global_batch // (a.micro_batch * _dp(strategy, n))  # per rank per step

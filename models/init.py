@@ -18,6 +18,8 @@ from typing import Dict, Iterator, List, Tuple
 import torch
 from torch import nn
 
+from models.loading import causal_lm_class
+
 
 def decoder_blocks(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     """(qualified name, module) of the model's repeated blocks: the items of the nn.ModuleList that holds the
@@ -41,8 +43,6 @@ def meta_model(hf_config) -> nn.Module:
     """The causal LM on the meta device (shapes only, no memory, no init). Its class is constructed directly:
     `from_config` would build under DeepSpeed's partitioned init while a ZeRO-3 config is active."""
     from transformers import AutoModelForCausalLM
-
-    from models.registry import causal_lm_class
 
     model_class = causal_lm_class(hf_config)
     with torch.device("meta"):

@@ -27,6 +27,8 @@ from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
+from models.init import meta_model
+from models.weights import CheckpointWeights
 from tessera.errors import ModelError, one_line
 
 # bitsandbytes, which peft imports, looks for an optional CPU kernel on the Hugging Face hub as it loads and warns
@@ -255,7 +257,7 @@ class Adapters:
                 + (f" ({base})" if base else "") + ": " + "; ".join(detail)]
 
 
-class AdaptedWeights:
+class AdaptedWeights(CheckpointWeights):
     """A pretrained checkpoint (models.weights.PretrainedWeights) read under the injected model's names: the base
     model's tensors from the checkpoint, the adapters' from their initial values."""
 
@@ -351,8 +353,6 @@ def quantization_problems(device: torch.device) -> List[str]:
 def model_problems(cfg, hf_config) -> List[str]:
     """peft=lora against the model, before any process group: targets that match nothing, modules_to_save that
     name no module, adapters on a head tied to the embedding, an adapter folder of another base model."""
-    from models.init import meta_model
-
     p = cfg.peft
     if p.name == "none":
         return []
@@ -391,8 +391,6 @@ def model_problems(cfg, hf_config) -> List[str]:
 
 def meta_adapted(hf_config, p) -> nn.Module:
     """The model with its adapters on the meta device (shapes and counts, no memory)."""
-    from models.init import meta_model
-
     model = meta_model(hf_config)
     if p.name != "none":
         inject(model, p)

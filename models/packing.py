@@ -12,13 +12,12 @@ import inspect
 
 import torch
 
+from models.loading import causal_lm_class
 from tessera.errors import ModelError
 
 
 def takes_position_ids(hf_config) -> bool:
     """Whether the causal LM's forward takes position_ids (remote code: not assumed)."""
-    from models.registry import causal_lm_class
-
     model_class = causal_lm_class(hf_config)
     return model_class is not None and "position_ids" in inspect.signature(model_class.forward).parameters
 

@@ -16,6 +16,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
+from torch import nn
+
+from models.init import decoder_blocks
+
 # Hugging Face's plan styles that Tessera applies (trainer/parallel/tensor_parallel.py). `moe_tp_experts`:
 # the experts stay whole on every rank (their parameter-level entries, `packed_colwise` and the like, are then
 # not applied); attention and dense MLPs are split.
@@ -122,10 +126,6 @@ def pipeline_split(model) -> Optional[PipelineSplit]:
     that run before the blocks (the token embedding, additive position embeddings, an input projection) and
     after them (final norm, output projection); the LM head outside it runs last. Modules without parameters
     (rotary tables, dropout) stay on every stage. None when the model does not have that shape."""
-    from torch import nn
-
-    from models.init import decoder_blocks
-
     blocks = decoder_blocks(model)
     if not blocks:
         return None

@@ -6,13 +6,18 @@ Model code here holds no distributed code: strategies parallelize what `build` r
 from __future__ import annotations
 
 import math
-
 import os
 from dataclasses import dataclass
 from typing import Callable, Dict
 
 import torch
 
+from models.init import copy_full_tensors, initial_weights, meta_model
+from models.loading import causal_lm_class, load_message
+from models.lora import full_shape
+from models.packing import takes_position_ids
+from models.tokenizer import embedded_tokenizer
+from models.weights import PretrainedWeights
 from tessera.errors import ModelError, one_line
 
 VOCAB_MULTIPLE = 8  # presets pad the embedding table so that later tensor-parallel splits divide it
@@ -56,14 +61,6 @@ def get_spec(kind: str) -> ModelSpec:
 def _padded_vocab(tokenizer) -> int:
     n = len(tokenizer)
     return (n + VOCAB_MULTIPLE - 1) // VOCAB_MULTIPLE * VOCAB_MULTIPLE
-
-
-def causal_lm_class(hf_config):
-    """The transformers class AutoModelForCausalLM builds for `hf_config`, or None (remote code: only
-    `from_config` with trust_remote_code knows it)."""
-    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    return MODEL_FOR_CAUSAL_LM_MAPPING.get(type(hf_config), None)
 
 
 def _attention(m) -> dict:
@@ -111,21 +108,6 @@ def _hf_config(m, tokenizer):
         raise ModelError("model.name_or_path: " + load_message("model config", m.name_or_path, e)) from None
 
 
-def load_message(what: str, name: str, e: Exception) -> str:
-    from tessera.pickles import refused_file, refusal
-
-    first = refusal(e)  # a pickle global the weights-only loader refused, by name; never its advice to turn it off
-    if os.path.exists(name):
-        refused = refused_file(name) if "GLOBAL" in str(e) else None
-        if refused:
-            return f"cannot load the {what} from the local folder {name!r}: {refused}"
-        return f"cannot load the {what} from the local folder {name!r}: {first}"
-    if name.startswith(("/", ".", "~")) or name.count("/") > 1:
-        return f"{name!r}: no such folder"
-    return (f"{name!r} is not a local folder, and loading it as a hub id failed: {first.rstrip('.')}; "
-            f"without hub access, give a local folder instead (a copy of the hub repository)")
-
-
 register(ModelSpec("llama", _llama_config, pretrained=False))
 register(ModelSpec("gpt2", _gpt2_config, pretrained=False))
 register(ModelSpec("hf", _hf_config, pretrained=True))
@@ -133,8 +115,6 @@ register(ModelSpec("hf", _hf_config, pretrained=True))
 
 def load_tokenizer(m):
     """The embedded tokenizer, a tokenizer folder / hub id, or (kind=hf, tokenizer null) the model's own."""
-    from models.tokenizer import embedded_tokenizer
-
     source = m.tokenizer
     if m.kind == "hf" and (source is None or source == "embedded" and _has_tokenizer(m.name_or_path)):
         source = m.name_or_path
@@ -232,8 +212,6 @@ def attention_problems(cfg, info: ModelInfo) -> list:
         return [f"model.attn_implementation={impl} can't train on the CPU (torch's FlexAttention has no backward "
                 f"there; train.device={device}); leave model.attn_implementation null (the model's default) or "
                 f"use sdpa or eager"]
-    from models.init import meta_model
-
     try:
         meta_model(info.hf_config)
     except Exception as e:  # noqa: BLE001 - transformers raises ValueError / ImportError with long messages
@@ -251,8 +229,6 @@ def model_problems(cfg, info: ModelInfo, tokenizer) -> list:
         problems.append(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
                         f"{info.vocab_size}; set model.tokenizer to the model's own tokenizer")
     if cfg.data.packing == "documents":
-        from models.packing import takes_position_ids
-
         if not takes_position_ids(info.hf_config):
             problems.append(f"data.packing=documents needs a model whose forward takes position_ids (restarting at "
                             f"each packed document); {info.hf_config.model_type} does not: use data.packing=eos")
@@ -269,8 +245,6 @@ def build(m, info: ModelInfo, seed: int | None = None, device: torch.device | st
     pretrained linear layers are held in 4 bits by bitsandbytes, quantized as they load onto `quantize_on`. The
     global RNG is left as it was."""
     from transformers import AutoModelForCausalLM
-
-    from models.init import copy_full_tensors, initial_weights
 
     spec = get_spec(m.kind)
     kwargs = {}
@@ -315,13 +289,9 @@ def keep_training_layout(model) -> None:
 
 def pretrained_weights(m, model):
     """The pretrained checkpoint of `m`, to read tensor by tensor (models/weights.py)."""
-    from models.weights import PretrainedWeights
-
     return PretrainedWeights(m, getattr(model, "base_model_prefix", ""))
 
 
 def count_parameters(model) -> int:
     """All parameters, also when each rank holds only a partition (DeepSpeed's ds_numel is the full size)."""
-    from models.lora import full_shape
-
     return sum(math.prod(full_shape(p)) for p in model.parameters())

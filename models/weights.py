@@ -19,7 +19,10 @@ from typing import Dict, List, Optional
 import torch
 
 from models.checkpoint_keys import Source, model_sources
+from models.init import meta_model
+from models.loading import causal_lm_class, load_message
 from tessera.errors import ModelError, one_line
+from tessera.pickles import refusal
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +36,6 @@ def _local_folder(m) -> str:
         return snapshot_download(m.name_or_path, revision=m.revision,
                                  allow_patterns=["*.safetensors", "*.json", "*.bin"])
     except Exception as e:  # noqa: BLE001 - hub errors come in many types
-        from models.registry import load_message
-
         raise ModelError("model.name_or_path: " + load_message("model weights", m.name_or_path, e)) from None
 
 
@@ -53,7 +54,58 @@ class _Mapping:
         self.unloaded = {n for n, _ in model.named_buffers(remove_duplicate=False)} - self.names
 
 
-class PretrainedWeights:
+class CheckpointWeights:
+    """A pretrained checkpoint read tensor by tensor (PretrainedWeights; models.lora.AdaptedWeights over one), as
+    strategies receive it in place of seeded init units: test for it with isinstance, never by its methods."""
+
+    folder: str
+
+    def key(self, name: str) -> Optional[str]:
+        raise NotImplementedError
+
+    def missing(self, names) -> list:
+        raise NotImplementedError
+
+    def shape(self, name: str):
+        raise NotImplementedError
+
+    def read(self, name: str, index=None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+def is_checkpoint(initial) -> bool:
+    """Whether a strategy's initial weights are a checkpoint to read (else: seeded init units, or None)."""
+    return isinstance(initial, CheckpointWeights)
+
+
+class _File:
+    """An open checkpoint file: a memory-mapped safetensors file (read by slices) or a torch pickle's tensors."""
+
+    __slots__ = ("handle", "safetensors")
+
+    def __init__(self, handle, safetensors: bool):
+        self.handle, self.safetensors = handle, safetensors
+
+    def keys(self):
+        return self.handle.keys()
+
+    def shape(self, key: str) -> list:
+        if self.safetensors:
+            return list(self.handle.get_slice(key).get_shape())
+        return list(self.handle[key].shape)
+
+    def read(self, key: str, index=None) -> torch.Tensor:
+        if self.safetensors:
+            part = self.handle.get_slice(key)
+            return part[index] if index is not None else part[:]
+        tensor = self.handle[key]
+        return (tensor[index] if index is not None else tensor).clone()
+
+
+class PretrainedWeights(CheckpointWeights):
     """The tensors of a local or hub checkpoint, by the model's names; `read(name, index)` returns them (or a block
     of them) as `from_pretrained` would put them into the model, in the dtype of the file.
 
@@ -69,7 +121,7 @@ class PretrainedWeights:
         self.prefix = base_model_prefix
         self._m = m
         self._files: Dict[str, str] = {}  # checkpoint key -> file
-        self._open = {}
+        self._open: Dict[str, _File] = {}
         self._mapping_cache = _UNSET
         self._shapes: Dict[str, list] = {}  # checkpoint key -> shape
         self._converted_shapes: Dict[str, list] = {}  # model name of a converted tensor -> shape
@@ -91,42 +143,33 @@ class PretrainedWeights:
                              f"(nor their .index.json) in {self.folder}")
 
     # ---- files ----------------------------------------------------------------------------------------------
-    def _handle(self, path: str):
+    def _handle(self, path: str) -> _File:
         if path not in self._open:
+            safetensors = path.endswith(".safetensors")
             try:
-                if path.endswith(".safetensors"):
-                    from safetensors import safe_open
+                if safetensors:
+                    from safetensors import safe_open  # start-up time: read only when a checkpoint is
 
-                    self._open[path] = safe_open(path, framework="pt")
+                    self._open[path] = _File(safe_open(path, framework="pt"), safetensors=True)
                 else:
-                    self._open[path] = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+                    self._open[path] = _File(torch.load(path, map_location="cpu", mmap=True, weights_only=True),
+                                             safetensors=False)
             except Exception as e:  # noqa: BLE001 - a missing, truncated or foreign file: one clear message
-                from tessera.pickles import refusal  # a pickle global the weights-only loader refused, by name
-
+                # refusal: a pickle global the weights-only loader refused, by name
                 raise ModelError(f"model.name_or_path={self.name_or_path!r}: cannot read the checkpoint file "
                                  f"{path}: {refusal(e)}") from None
         return self._open[path]
 
     def _keys_of(self, path: str):
-        handle = self._handle(path)
-        return list(handle.keys())
+        return list(self._handle(path).keys())
 
     def _key_shape(self, key: str) -> list:
         if key not in self._shapes:
-            handle = self._handle(self._files[key])
-            if hasattr(handle, "get_slice"):
-                self._shapes[key] = list(handle.get_slice(key).get_shape())
-            else:
-                self._shapes[key] = list(handle[key].shape)
+            self._shapes[key] = self._handle(self._files[key]).shape(key)
         return self._shapes[key]
 
     def _read_key(self, key: str, index=None) -> torch.Tensor:
-        handle = self._handle(self._files[key])
-        if hasattr(handle, "get_slice"):
-            part = handle.get_slice(key)
-            return part[index] if index is not None else part[:]
-        tensor = handle[key]
-        return (tensor[index] if index is not None else tensor).clone()
+        return self._handle(self._files[key]).read(key, index)
 
     # ---- names: transformers' loading rules -------------------------------------------------------------------
     def _mapping(self) -> Optional[_Mapping]:
@@ -139,10 +182,7 @@ class PretrainedWeights:
         if not os.path.exists(os.path.join(self.folder, "config.json")):
             return None  # a bare state dict: names are checkpoint keys
         try:
-            from transformers import AutoConfig, AutoModelForCausalLM
-
-            from models.init import meta_model
-            from models.registry import causal_lm_class
+            from transformers import AutoConfig, AutoModelForCausalLM  # start-up time
 
             trust = bool(getattr(self._m, "trust_remote_code", False))
             where, kwargs = self.folder, {}
@@ -255,25 +295,36 @@ class PretrainedWeights:
         converter's operations are given them in place of the whole tensors, or None (read whole, then slice).
         That holds for transformers' stacking per expert (MergeModulelist) and concatenation (Concatenate): a
         block picks experts, and rows of the concatenated parts."""
-        from transformers.core_model_loading import Concatenate, MergeModulelist
+        from transformers.core_model_loading import Concatenate, MergeModulelist  # start-up time
 
         kinds = [type(op) for op in source.converter.operations]
         if target != source.first or kinds not in ([MergeModulelist], [Concatenate], [MergeModulelist, Concatenate]):
             return None
-        index = index if isinstance(index, tuple) else (index,)
         shape = self.shape(target)
-        if len(index) > len(shape) or not all(isinstance(s, slice) for s in index):
-            return None
-        index = index + (slice(None),) * (len(shape) - len(index))
-        ranges = [s.indices(n) for s, n in zip(index, shape)]
-        if any(r[2] <= 0 or len(range(*r)) == 0 for r in ranges):
+        ranges = _block_ranges(index, shape)
+        if ranges is None:
             return None
         merge = source.converter.operations[0] if kinds[0] is MergeModulelist else None
         concat = source.converter.operations[-1] if kinds[-1] is Concatenate else None
         patterns = [p for p in source.converter.source_patterns if p in source.keys]
         if sorted(patterns) != sorted(source.keys):
             return None
-        pieces = []  # (pattern, position in its list or None for the stacked list, shape of the piece)
+        pieces = self._pieces(source, patterns, merge)
+        if pieces is None or any(len(piece) != len(shape) for _, _, piece in pieces):
+            return None
+        if concat is not None:
+            piece_ranges = _concatenated_ranges(pieces, ranges, concat.dim % len(shape), shape)
+            if piece_ranges is None:
+                return None
+        else:
+            piece_ranges = [(p, i, ranges) for p, i, _ in pieces]
+        return _piece_reads(source, patterns, piece_ranges, merge, len(shape))
+
+    def _pieces(self, source, patterns: List[str], merge) -> Optional[list]:
+        """[(pattern, position in its list or None for the stacked list, shape of the piece)] in the converter's
+        order: with MergeModulelist, each pattern's tensors stacked (they must share one shape), else each tensor
+        on its own; None when they do not stack."""
+        pieces = []
         for p in patterns:
             keys = source.keys[p]
             if merge is not None:
@@ -285,38 +336,57 @@ class PretrainedWeights:
                 pieces.append((p, None, stacked))
             else:
                 pieces.extend((p, i, self._key_shape(k)) for i, k in enumerate(keys))
-        if any(len(piece) != len(shape) for _, _, piece in pieces):
-            return None
-        piece_ranges = []
-        if concat is not None:
-            d = concat.dim % len(shape)
-            start, stop, step = ranges[d]
-            if step != 1:
-                return None
-            offset = 0
-            for p, i, piece in pieces:
-                lo, hi = max(start, offset), min(stop, offset + piece[d])
-                local = list(ranges)
-                local[d] = (lo - offset, max(lo, hi) - offset, 1)  # maybe empty: a part the block does not reach
-                piece_ranges.append((p, i, local))
-                offset += piece[d]
-            if offset != shape[d]:
-                return None
-        else:
-            piece_ranges = [(p, i, ranges) for p, i, _ in pieces]
-        reads: Dict[str, list] = {p: [] for p in patterns}
-        for p, i, r in piece_ranges:
-            keys = source.keys[p]
-            if merge is not None:
-                m = merge.dim % len(shape)
-                positions = range(*r[m])
-                if len(positions) == 0:
-                    return None
-                per_key = tuple(slice(*x) for j, x in enumerate(r) if j != m)
-                reads[p].extend((keys[pos], per_key) for pos in positions)
-            else:
-                reads[p].append((keys[i], tuple(slice(*x) for x in r)))
-        return reads
+        return pieces
 
     def close(self) -> None:
         self._open.clear()
+
+
+def _block_ranges(index, shape) -> Optional[list]:
+    """Block `index` (a slice, or a tuple of slices) of a tensor of `shape` as one (start, stop, step) per
+    dimension, or None when it is not a non-empty block of forward slices."""
+    index = index if isinstance(index, tuple) else (index,)
+    if len(index) > len(shape) or not all(isinstance(s, slice) for s in index):
+        return None
+    index = index + (slice(None),) * (len(shape) - len(index))
+    ranges = [s.indices(n) for s, n in zip(index, shape)]
+    if any(r[2] <= 0 or len(range(*r)) == 0 for r in ranges):
+        return None
+    return ranges
+
+
+def _concatenated_ranges(pieces: list, ranges: list, d: int, shape) -> Optional[list]:
+    """[(pattern, position, ranges in the piece)]: the block's `ranges` cut where the pieces are concatenated
+    along dimension `d` (a piece the block does not reach gets an empty range there); None for a strided range
+    along `d`, or pieces that do not add up to the tensor."""
+    start, stop, step = ranges[d]
+    if step != 1:
+        return None
+    piece_ranges, offset = [], 0
+    for p, i, piece in pieces:
+        lo, hi = max(start, offset), min(stop, offset + piece[d])
+        local = list(ranges)
+        local[d] = (lo - offset, max(lo, hi) - offset, 1)  # maybe empty: a part the block does not reach
+        piece_ranges.append((p, i, local))
+        offset += piece[d]
+    if offset != shape[d]:
+        return None
+    return piece_ranges
+
+
+def _piece_reads(source, patterns: List[str], piece_ranges: list, merge, ndim: int) -> Optional[Dict[str, list]]:
+    """{pattern: [(checkpoint key, index)]} for the pieces' ranges: with MergeModulelist, one read per expert the
+    range picks along the stacked dimension (None when it picks none), else one read per tensor."""
+    reads: Dict[str, list] = {p: [] for p in patterns}
+    for p, i, r in piece_ranges:
+        keys = source.keys[p]
+        if merge is not None:
+            m = merge.dim % ndim
+            positions = range(*r[m])
+            if len(positions) == 0:
+                return None
+            per_key = tuple(slice(*x) for j, x in enumerate(r) if j != m)
+            reads[p].extend((keys[pos], per_key) for pos in positions)
+        else:
+            reads[p].append((keys[i], tuple(slice(*x) for x in r)))
+    return reads

@@ -1,6 +1,6 @@
 """User-facing errors: each one becomes a single clear message and a documented exit code, never a traceback.
 
-Exit codes (README "Errors"):
+Exit codes (docs/errors-and-exit-codes.md):
     0    finished, or stopped by SIGTERM/SIGINT after saving a checkpoint
     2    bad input: config, data, model, checkpoint, launch or environment (nothing was trained or lost)
     3    training diverged: a non-finite loss or gradient norm (or a loss spike); the last finite checkpoint is kept

@@ -189,14 +189,14 @@ def make_model_folder(name: str, path, seed: int = 0) -> Path:
     return path
 
 
-# ---- the matrix the integration test runs (tests/integration/test_architectures.py) and the README shows ---------
+# ---- the matrix the integration test runs (tests/integration/test_architectures.py) and the docs show -----------
 LAYOUTS = ["single", "ddp", "zero2", "zero3", "fsdp", "tp", "pp"]
 # Architectures a layout refuses before training, with the words of the message that says why.
 REFUSED = {
     ("gpt2", "tp"): "gpt2 architecture has no tensor-parallel plan",
     ("opt", "tp"): "opt architecture has no tensor-parallel plan",
 }
-# Why, in the README's words.
+# Why, in the words of docs/strategies-and-layouts.md.
 REFUSED_WHY = {
     ("gpt2", "tp"): "refused: fused Conv1D q/k/v, no TP plan",
     ("opt", "tp"): "refused: attention reshapes by the full head count, no TP plan",
@@ -206,8 +206,8 @@ FP16_LAYOUTS = ("single", "pp")
 
 
 def support_table() -> str:
-    """The README's table of architectures x layouts: every cell the matrix trains to fp32 parity with one
-    process (and exports), or the refusal it asserts."""
+    """The table of architectures x layouts in docs/strategies-and-layouts.md: every cell the matrix trains to fp32
+    parity with one process (and exports), or the refusal it asserts."""
     head = "| architecture (tiny config in tests/archs.py) | " + " | ".join(LAYOUTS) + " |"
     lines = [head, "|---|" + "---|" * len(LAYOUTS)]
     for name in ARCHITECTURES:

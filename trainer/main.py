@@ -7,7 +7,8 @@
 """
 import sys
 
-from trainer.run.cli import check_overrides, register_resolvers, sanitize_argv, user_errors
+from trainer.config.compose import register_resolvers
+from trainer.run.cli import check_overrides, sanitize_argv, user_errors
 
 sys.argv = sanitize_argv(sys.argv)
 register_resolvers()

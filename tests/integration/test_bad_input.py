@@ -143,7 +143,7 @@ def test_bad_input_exits_with_one_clear_message(tmp_path, name, overrides, launc
 
 
 # Errors every rank meets from the same input (config, data, model, run directory): printed once, by rank 0, under
-# each launcher (README "Errors"); the other ranks wait for rank 0 to end the job (trainer/run/cli.py exit_with).
+# each launcher (docs/errors-and-exit-codes.md); the other ranks wait for rank 0 to end the job (trainer/run/cli.py exit_with).
 # Every kind of error and every launcher at least once (the whole product would add minutes, not coverage).
 SAME_INPUT = [
     # (name, overrides, launcher, expected text)

@@ -139,7 +139,7 @@ RESTART_MOMENTS = {
     "in-save": ("fault-worker", 0, lambda run_dir: (run_dir / "checkpoints" / ".tmp-step_12" / "rng" /
                                                     "rank_0.pt").exists()),
     "start-up": ("deepspeed-wrapper", 1, lambda run_dir: True),
-    # torchrun itself (README "When ranks fail"): its own restarts and agent store
+    # torchrun itself (docs/fault-tolerance.md): its own restarts and agent store
     "torchrun-max-restarts": ("torchrun", 1, lambda run_dir: _logged_steps(run_dir) >= 8),
 }
 

@@ -1,19 +1,20 @@
-"""Communication cost: comm_bytes in metrics.jsonl against formulas, DDP's compression hooks (bf16, PowerSGD) and
-less frequent synchronisation (local SGD, DiLoCo, overlapped), each resumed exactly from a checkpoint taken in the
-middle of a round. Real processes with gloo, 2 ranks."""
+"""Communication cost: comm_bytes in metrics.jsonl (logging.comm_bytes=true; off by default) against formulas,
+DDP's compression hooks (bf16, PowerSGD) and less frequent synchronisation (local SGD, DiLoCo, overlapped), each
+resumed exactly from a checkpoint taken in the middle of a round. Real processes with gloo, 2 ranks."""
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import FP32_TOL, SMALL, launch, metrics, ok, rel_err
+from tests.integration.conftest import FP32_TOL, REPO, SMALL, launch, metrics, ok, rel_err
 
 # 8 steps of SGD (its update is linear in the gradient: local SGD with sync.every=1 is then DDP), accumulation 2.
 BASE = SMALL + ["strategy=ddp", "optim=sgd", "optim.lr=0.05", "train.grad_clip=0", "train.max_steps=8",
                 "train.log_every=1", "train.global_batch_size=8", "train.micro_batch_size=2", "eval.every=0",
-                "eval.at_end=false", "export.hf_at_end=false", "checkpoint.keep_last=0"]
+                "eval.at_end=false", "export.hf_at_end=false", "checkpoint.keep_last=0", "logging.comm_bytes=true"]
 # mode -> (overrides, checkpoint step to resume from: inside a round, with state in flight)
 MODES = {
     "ddp": ([], None),
@@ -69,6 +70,70 @@ def test_ddp_moves_the_gradient_once_per_step_and_bf16_half_of_it(runs, shapes):
     assert max(errors) < 2e-3 and max(errors) > 0
 
 
+# Runs trainer/main.py unchanged; at exit each rank writes what its collective functions were.
+_PROBE = """
+import atexit, json, os, runpy, sys
+
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.distributed import distributed_c10d
+
+original = dist.all_reduce
+
+
+def report():
+    wrapped = sorted(f"{mod.__name__}.{name}" for mod in (dist, distributed_c10d, funcol) for name in dir(mod)
+                     if hasattr(getattr(mod, name), "tessera_counted"))
+    path = os.path.join(os.environ["PROBE_OUT"], f"rank{os.environ.get('RANK', '0')}.json")
+    with open(path, "w") as fh:
+        json.dump({"original_all_reduce": dist.all_reduce is original, "wrapped": wrapped}, fh)
+
+
+atexit.register(report)
+sys.argv = [MAIN, *sys.argv[1:]]
+runpy.run_path(MAIN, run_name="__main__")
+"""
+
+
+def _probed_launch(overrides, run_dir, nproc: int) -> list:
+    """Each rank's {"original_all_reduce", "wrapped"} at the end of a run of trainer/main.py."""
+    import json
+
+    from trainer.launch.choose import MAIN, launcher_command, run_process_group
+
+    script = run_dir / "probe_main.py"
+    script.write_text(f"MAIN = {MAIN!r}\n" + _PROBE)
+    out = run_dir / "probe"
+    out.mkdir()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PROBE_OUT=str(out),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    cmd = launcher_command("torchrun", nproc, script=str(script)) + list(overrides) + [f"hydra.run.dir={run_dir}"]
+    ok(run_process_group(cmd, env=env, timeout=300))
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def test_comm_bytes_off_by_default_replaces_nothing_and_trains_the_same(runs, tmp_path):
+    """Without logging.comm_bytes no collective function is wrapped, metrics.jsonl has no comm_bytes, and the
+    run's losses and gradient norms are those of the same run with comm_bytes on (runs["ddp"])."""
+    base = [o for o in BASE if o != "logging.comm_bytes=true"] + ["checkpoint.at_end=false"]
+    assert base != BASE
+    probes = _probed_launch(base, tmp_path, nproc=2)
+    assert probes == [{"original_all_reduce": True, "wrapped": []}] * 2
+    off, on = metrics(tmp_path), metrics(runs["ddp"])
+    assert not any(k.startswith("comm_bytes") for r in off for k in r)
+    assert all("comm_bytes" in r and "comm_bytes_by_kind" in r for r in on)
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in off] == [(r["step"], r["loss"], r["grad_norm"]) for r in on]
+
+
+def test_comm_bytes_on_wraps_the_collectives(tmp_path):
+    probes = _probed_launch(BASE + ["checkpoint.at_end=false", "train.max_steps=1"], tmp_path, nproc=2)
+    for probe in probes:
+        assert not probe["original_all_reduce"]
+        assert {"torch.distributed.all_reduce", "torch.distributed.distributed_c10d.all_reduce",
+                "torch.distributed.all_gather_into_tensor"} <= set(probe["wrapped"]), probe
+    assert metrics(tmp_path)[0]["comm_bytes"] > 0
+
+
 def test_powersgd_sends_rank_r_factors_after_warmup(runs, shapes):
     r = 2
     expected = 0
@@ -120,7 +185,8 @@ def test_fsdp_bytes_follow_the_gathers_and_reductions(tmp_path, runs, shapes):
     backward (reshard_after_forward) and reduce-scatters the gradient; the norm is one fp64 all-reduce."""
     ok(launch("torchrun", SMALL + ["strategy=fsdp", "train.max_steps=2", "train.log_every=1",
                                    "train.global_batch_size=8", "train.micro_batch_size=2", "eval.every=0",
-                                   "eval.at_end=false", "export.hf_at_end=false", "checkpoint.at_end=false"],
+                                   "eval.at_end=false", "export.hf_at_end=false", "checkpoint.at_end=false",
+                                   "logging.comm_bytes=true"],
               tmp_path, nproc=2))
     full = 4 * sum(_numel(s) for s in shapes.values())
     for rec in metrics(tmp_path):

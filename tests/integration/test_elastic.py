@@ -22,7 +22,7 @@ RDZV_CONF = "join_timeout=120,last_call_timeout=2,keep_alive_interval=1,keep_ali
 
 
 def _agent(run_dir, port: int, log):
-    """One "node": the elastic launch line of README "When ranks fail" (launch.sh runs the same with NNODES=1:2)."""
+    """One "node": the elastic launch line of docs/fault-tolerance.md (launch.sh runs the same with NNODES=1:2)."""
     cmd = [sys.executable, "-m", "trainer.torchrun", "--nnodes=1:2", "--nproc_per_node=1", "--max-restarts=3",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test",
            f"--rdzv-conf={RDZV_CONF}", str(REPO / "trainer" / "main.py")] + ARGS + \

@@ -119,12 +119,12 @@ def test_pp_ws2_schedule_matches_single_process(reference, request, tmp_path, sc
 
 HYBRIDS = [
     # (id, strategy, nproc, dp, micro, extra overrides)
-    # (id, strategy, nproc, dp, micro, extra overrides, steps). fsdp_tp as the README shows it, with sequence
+    # (id, strategy, nproc, dp, micro, extra overrides, steps). fsdp_tp as docs/strategies-and-layouts.md shows it, with sequence
     # parallelism (activations outside attention/MLP split over the sequence).
     pytest.param(("fsdp_tp-ws4 (dp_shard 2 x tp 2, sequence parallel)", "fsdp_tp", 4, 2, 2,
                   ["strategy.tp=2", "strategy.sequence_parallel=true"], 10), id="fsdp_tp-sp-ws4"),
     pytest.param(("pp_fsdp-ws4 (pp 2 x dp_shard 2)", "pp_fsdp", 4, 2, 2, ["strategy.pp=2"], 10), id="pp_fsdp-ws4"),
-    # The smallest world with every degree > 1 (8 processes on the CI's 2 cores): 3 steps, the README's command.
+    # The smallest world with every degree > 1 (8 processes on the CI's 2 cores): 3 steps, the command in docs/strategies-and-layouts.md.
     pytest.param(("3d-ws8 (pp 2 x dp_shard 2 x tp 2, interleaved_1f1b)", "3d", 8, 2, 1,
                   ["strategy.pp=2", "strategy.tp=2", "strategy.pp_schedule=interleaved_1f1b"], 3), id="3d-ws8"),
 ]

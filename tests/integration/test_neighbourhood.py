@@ -103,7 +103,7 @@ def _run_row(row: Row, root: Path, hf_model: Optional[Path]) -> Outcome:
     """A, then B from A's step-SAVED checkpoint; never raises (a failing row must not stop the others)."""
     out = Outcome(row, root / "A", root / "B")
     if row.needs == "compile":
-        from trainer.strategies.base import compile_problems
+        from trainer.config.compat import compile_problems
 
         problems = compile_problems("cpu")
         if problems:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 import re
 import shutil
 import time
@@ -38,6 +37,8 @@ import torch.distributed as dist
 
 from tessera.errors import CheckpointError, CheckpointSaveError, TesseraError, one_line
 from trainer.run.cli import fault_message
+from trainer.run.state import TrainState
+from trainer.checkpoint.saved import SavedCheckpoint
 
 COMPLETE = "COMPLETE.json"
 KEEP = "KEEP.json"  # a pinned checkpoint (e.g. the last finite one before divergence): never rotated away
@@ -201,42 +202,16 @@ def identity_meta(identity, strategy) -> dict:
     return {"optim_name": cfg.optim.name, "global_batch_size": cfg.train.global_batch_size,
             "data_fingerprint": identity.data_fingerprint, "model_shapes": identity.model_shapes,
             "model_desc": identity.model_desc, "strategy": cfg.strategy.name,
-            "checkpoint_format": strategy.checkpoint_format, "peft": identity.peft}
+            "checkpoint_format": strategy.caps.checkpoint_format, "peft": identity.peft}
 
 
 def check_peer_identity(meta: dict, identity, strategy) -> None:
     """A replica group may take a live group's state only where it could resume that group's checkpoint."""
     problems = compatibility_problems(meta, identity.cfg, identity.model_shapes, identity.data_fingerprint, False,
-                                      strategy.checkpoint_format, hint="", peft=identity.peft)
+                                      strategy.caps.checkpoint_format, hint="", peft=identity.peft)
     if problems:
         raise CheckpointError("this replica group cannot take the live groups' state (they train another run):\n"
                               + "\n".join(f"  - {x}" for x in problems))
-
-
-# --------------------------------------------------------------------------------------------------------
-# RNG state, per rank.
-
-def rng_state() -> dict:
-    np_state = np.random.get_state()
-    state = {"python": random.getstate(),
-             "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
-             "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(_tuplify(state["python"]))
-    n = state["numpy"]
-    np.random.set_state((n[0], np.asarray(n[1], dtype=np.uint32), n[2], n[3], n[4]))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _tuplify(x):
-    return tuple(_tuplify(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -325,19 +300,12 @@ def _fsync_dir(path: str) -> None:
         pass
 
 
-@dataclass
-class TrainingProgress:
-    """The counters a checkpoint carries for the loop: optimizer steps done, target tokens seen, skipped steps."""
+TrainingProgress = TrainState  # the earlier name of the loop's counters (trainer/run/state.py)
 
-    step: int = 0
-    tokens_seen: int = 0
-    skipped_steps: int = 0
-
-    def state_dict(self) -> dict:
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "skipped_steps": self.skipped_steps}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.step, self.tokens_seen, self.skipped_steps = state["step"], state["tokens_seen"], state["skipped_steps"]
+# Where each train state (name -> Stateful, CheckpointManager's `states`) goes: "progress" spreads its keys over
+# meta.json's top level, "rng" is one file per rank (rng/rank_<r>.pt, restored at the same world size only), every
+# other name is a meta.json entry of its own (in the order given: "loader", "scheduler", "precision").
+PROGRESS, RNG = "progress", "rng"
 
 
 @dataclass(frozen=True)
@@ -369,13 +337,14 @@ def _save_failure(e: BaseException, folder: str) -> str:
 
 
 class CheckpointManager:
-    """save(step) / load(path) / wait() / close(). The strategy saves and loads the model and optimizer tensors;
-    the scheduler, the loss scaler (`strategy.precision`), the sampler's position and the progress counters go
-    into meta.json, each through its own state_dict()."""
+    """save(step) / load(path, weights_only) / wait() / close(). The strategy saves and loads the model and
+    optimizer tensors; `states` (name -> Stateful: "progress", the train state's counters; "loader", the data
+    position; "scheduler"; "precision", the loss scaler; "rng", this rank's generators) are saved and restored
+    each through its own state_dict() / load_state_dict(), where PROGRESS / RNG above say."""
 
-    def __init__(self, run_dir: str, strategy, scheduler, sampler, progress: TrainingProgress, identity: RunIdentity,
-                 logger):
-        self.strategy, self.scheduler, self.sampler, self.progress = strategy, scheduler, sampler, progress
+    def __init__(self, run_dir: str, strategy, states: Dict[str, object], identity: RunIdentity, logger):
+        self.strategy, self.states = strategy, dict(states)
+        self.progress = self.states[PROGRESS]
         self.identity, self.logger = identity, logger
         self.cfg = identity.cfg.checkpoint
         self.root = os.path.join(run_dir, "checkpoints")
@@ -420,7 +389,8 @@ class CheckpointManager:
                 os.makedirs(os.path.join(tmp, "local"))
                 self._write_rank0_files(tmp, step)
             self._barrier()  # the folder exists before any rank writes into it
-            torch.save(rng_state(), os.path.join(tmp, "rng", f"rank_{self.rank}.pt"))
+            if RNG in self.states:
+                torch.save(self.states[RNG].state_dict(), os.path.join(tmp, "rng", f"rank_{self.rank}.pt"))
             local = self.strategy.local_state()
             if local:  # rank 0 made the folder before the barrier
                 torch.save(local, os.path.join(tmp, "local", f"rank_{self.rank}.pt"))
@@ -515,11 +485,11 @@ class CheckpointManager:
         from omegaconf import OmegaConf
 
         strategy, identity, cfg = self.strategy, self.identity, self.identity.cfg
-        meta = {"format": FORMAT, **self.progress.state_dict(), "step": step,  # the key order of earlier saves
-                "loader": self.sampler.state_dict(step), "scheduler": self.scheduler.state_dict(),
-                "precision": strategy.precision.state_dict(), "optim_param_groups": strategy.optimizer_param_groups(),
-                **identity_meta(identity, strategy),  # what resuming checks (compatibility_problems)
-                "world_size": strategy.dims.world_size, "dp_size": strategy.dp_size}
+        meta = {"format": FORMAT, **self.progress.state_dict(), "step": step}  # the key order of earlier saves
+        meta.update((name, state.state_dict()) for name, state in self.states.items() if name not in (PROGRESS, RNG))
+        meta.update(optim_param_groups=strategy.optimizer_param_groups(),
+                    **identity_meta(identity, strategy),  # what resuming checks (compatibility_problems)
+                    world_size=strategy.dims.world_size, dp_size=strategy.dp_size)
         with open(os.path.join(tmp, "meta.json"), "w") as fh:
             json.dump(meta, fh, default=_json_default)
         OmegaConf.save(OmegaConf.structured(cfg), os.path.join(tmp, "config.yaml"))
@@ -560,13 +530,24 @@ class CheckpointManager:
                               f"from an earlier copy, or start over with checkpoint.resume=none and "
                               f"checkpoint.overwrite=true")
 
+    def resume(self, plan) -> Optional[str]:
+        """Carry out a resume plan (trainer/checkpoint/resume_plan.py): load its checkpoint, or with resume=auto the
+        newest intact one of its candidates; the path loaded (None: the plan loads nothing)."""
+        if plan.path is None:
+            return None
+        path = self.first_intact([plan.path, *plan.fallbacks], fall_back=plan.falls_back)
+        self.load(path, weights_only=plan.weights_only)
+        return path
+
     def load(self, path: str, weights_only: bool) -> None:
         """Restore the run from a complete checkpoint (compatibility was checked before the process group
         started). With weights_only, only the model's weights: a new run starts from them at step 0."""
         meta = read_meta(path)
         verify_files(path, meta)
         try:
-            self.strategy.load_checkpoint_from(path, self.group, weights_only, meta["optim_param_groups"])
+            saved = SavedCheckpoint(path, weights_only, meta["optim_param_groups"], meta.get("dp_size"),
+                                    scratch_dir=self.root)
+            self.strategy.load_checkpoint_from(saved, self.group)
         except (CheckpointError, KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
@@ -575,14 +556,8 @@ class CheckpointManager:
         if weights_only:
             self.logger.info(f"loaded the model weights of {path}; starting a new run at step 0")
             return
-        self.progress.load_state_dict(meta)
-        self.sampler.load_state_dict(meta["loader"])  # data.follow: the stream's position (else nothing)
-        self.scheduler.load_state_dict(meta["scheduler"])
-        self.strategy.precision.load_state_dict(meta["precision"])
+        self._load_states(path, meta)
         world_size = self.strategy.dims.world_size
-        rng_file = os.path.join(path, "rng", f"rank_{self.rank}.pt")
-        if os.path.isfile(rng_file) and meta["world_size"] == world_size:
-            set_rng_state(load_tensors(rng_file, "RNG state file"))
         local_file = os.path.join(path, "local", f"rank_{self.rank}.pt")
         same_layout = meta["world_size"] == world_size and os.path.isfile(local_file)
         notice = self.strategy.load_local_state(load_tensors(local_file, "rank state file") if same_layout else None)
@@ -592,6 +567,16 @@ class CheckpointManager:
         change = "" if meta["world_size"] == world_size else \
             f" (saved at world size {meta['world_size']}, now {world_size})"
         self.logger.info(f"resumed from {path} at step {self.progress.step}{change}")
+
+    def _load_states(self, path: str, meta: dict) -> None:
+        """Every train state from meta.json (in the order given), then this rank's generators where the world size
+        is the one they were saved at."""
+        for name, state in self.states.items():
+            if name != RNG:
+                state.load_state_dict(meta if name == PROGRESS else meta[name])
+        rng_file = os.path.join(path, "rng", f"rank_{self.rank}.pt")
+        if RNG in self.states and os.path.isfile(rng_file) and meta["world_size"] == self.strategy.dims.world_size:
+            self.states[RNG].load_state_dict(load_tensors(rng_file, "RNG state file"))
 
     def close(self) -> None:
         self.wait()

@@ -22,6 +22,8 @@ import json
 import os
 from typing import Dict, List, Tuple
 
+from trainer.run.optim import lr_factor
+
 PER_INVOCATION = ("checkpoint.resume", "checkpoint.load_weights_only", "checkpoint.overwrite")
 REFUSED = {"train.seed": "it sets the data order of the epoch in progress"}
 OPTIMIZER = ("optim.lr", "optim.weight_decay", "optim.betas", "optim.eps", "optim.momentum", "optim.nesterov")
@@ -99,15 +101,16 @@ def refusals(checkpoint: str, cfg, hf_config) -> List[str]:
     return problems
 
 
-def apply(run, checkpoint: str) -> List[str]:
-    """After the optimizer and scheduler were restored: apply this run's optimizer hyper-parameters and schedule,
-    and return one line per change for the log."""
-    from trainer.run.optim import lr_factor
-
-    cfg = run.cfg
+def apply(checkpoint: str, cfg, optimizer, scheduler, step: int) -> List[str]:
+    """After the optimizer and scheduler were restored (at `step`): apply this run's optimizer hyper-parameters
+    and schedule, and return one line per change for the log."""
     changes = changed_values(checkpoint, cfg)
-    groups = run.strategy.optimizer.param_groups
-    o = cfg.optim
+    _apply_optimizer(optimizer.param_groups, cfg.optim)
+    factor = _apply_schedule(optimizer.param_groups, scheduler, cfg, step)
+    return _report(changes, step, cfg.optim.lr, factor)
+
+
+def _apply_optimizer(groups, o) -> None:
     for i, group in enumerate(groups):
         # Groups are built as [decayed matrices, the rest] (trainer/run/optim.py param_groups): the first decays.
         if "weight_decay" in group:
@@ -120,12 +123,19 @@ def apply(run, checkpoint: str) -> List[str]:
             group["momentum"] = o.momentum
             group["nesterov"] = o.nesterov
         group["initial_lr"] = o.lr
-    sched = run.scheduler
-    s = cfg.scheduler
-    factor = lr_factor(run.step, s.name, s.warmup_steps, cfg.train.max_steps, s.min_lr_ratio)
-    sched.base_lrs = [o.lr] * len(groups)
+
+
+def _apply_schedule(groups, scheduler, cfg, step: int) -> float:
+    """The schedule recomputed from this run's values at `step`; the lr factor it gives there."""
+    s, lr = cfg.scheduler, cfg.optim.lr
+    factor = lr_factor(step, s.name, s.warmup_steps, cfg.train.max_steps, s.min_lr_ratio)
+    scheduler.base_lrs = [lr] * len(groups)
     for group in groups:
-        group["lr"] = o.lr * factor
+        group["lr"] = lr * factor
+    return factor
+
+
+def _report(changes: Dict[str, Tuple[object, object]], step: int, lr: float, factor: float) -> List[str]:
     lines = []
     for key in OPTIMIZER + SCHEDULE:
         if key in changes:
@@ -134,7 +144,7 @@ def apply(run, checkpoint: str) -> List[str]:
     others = sorted(k for k in changes if k not in OPTIMIZER + SCHEDULE and k not in REFUSED
                     and not k.startswith("model."))
     if lines:
-        lines.append(f"the schedule continues at step {run.step} with peak lr {o.lr:g}: lr now {o.lr * factor:.3e}")
+        lines.append(f"the schedule continues at step {step} with peak lr {lr:g}: lr now {lr * factor:.3e}")
     if others:
         lines.append("taken as given: " + ", ".join(f"{k}={changes[k][1]!r}" for k in others))
     return lines

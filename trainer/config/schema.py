@@ -151,8 +151,8 @@ class StrategyConfig:
     find_unused_parameters: bool = documented(False, "DDP: allow parameters that get no gradient in a step.")
     gradient_as_bucket_view: bool = documented(True, "DDP: gradients are views into the buckets (saves a copy).")
     fault_tolerance: str = documented("none", "none, or torchft: ddp or fsdp/hsdp as replica groups coordinated by "
-                                              "a torchft lighthouse; the others train on when a group fails (README "
-                                              "\"When ranks fail\").")
+                                              "a torchft lighthouse; the others train on when a group fails "
+                                              "(docs/fault-tolerance.md).")
     replica_groups: int = documented(1, "torchft: number of replica groups; each is its own torchrun job and "
                                         "takes its share of the global batch.")
     replica_group: int = documented(-1, "torchft: this job's group, 0..replica_groups-1; -1 = launch.sh starts "
@@ -180,7 +180,7 @@ ZERO_PLUS_PLUS_OFF = {"zero_quantized_weights": False, "zero_quantized_gradients
 
 @dataclass
 class SyncConfig:
-    # README "Communicating less": every_step reduces the gradient each step; local_sgd averages the weights and
+    # docs/communicating-less.md: every_step reduces the gradient each step; local_sgd averages the weights and
     # diloco takes an outer Nesterov step on the averaged change, every sync.every steps.
     name: str = documented("every_step", "How data-parallel workers synchronise: every_step, local_sgd or diloco "
                                          "(every sync.every steps).")
@@ -285,6 +285,9 @@ class LoggingConfig:
     # Opt-in, since it probes the first step.
     memory_report: bool = documented(False, "Measure the first step's model-state memory per rank and write "
                                             "<run dir>/memory.json.")
+    # Opt-in, since it replaces torch.distributed's collective functions with counting wrappers.
+    comm_bytes: bool = documented(False, "Count the bytes each step's collectives hand over (comm_bytes and "
+                                         "comm_bytes_by_kind in metrics.jsonl; trainer/observe/comm_bytes.py).")
 
 
 @dataclass
@@ -300,7 +303,7 @@ class ExportConfig:
 
 @dataclass
 class PeftConfig:
-    # README "Fine-tuning with LoRA": models/lora.py injects peft's LoRA layers before any parallelism applies.
+    # docs/fine-tuning.md: models/lora.py injects peft's LoRA layers before any parallelism applies.
     name: str = documented("none", "none (every parameter trains) or lora (peft's low-rank adapters; the base "
                                    "model stays frozen).")
     r: int = documented(16, "lora: rank of each adapter.")
@@ -569,7 +572,7 @@ def validate(cfg: TesseraConfig, world_size: int) -> List[str]:
         problems.append("data.name must be set for data.kind=hub (a hub dataset id)")
     problems += mixture_problems(cfg.data)
     problems += peft_problems(cfg)
-    from trainer.data.follow import follow_problems
+    from trainer.data.follow import follow_problems  # the schema loads without torch (launch.sh reads it)
 
     problems += follow_problems(cfg)
     if cfg.model.kind == "hf" and not cfg.model.name_or_path:

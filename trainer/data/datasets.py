@@ -18,6 +18,9 @@ import torch
 
 from trainer.data import sft, sources
 from trainer.data.embedded import VERSION as EMBEDDED_VERSION, embedded_documents
+from trainer.data.follow import FollowData
+from trainer.data.mixture import build_mixture
+from trainer.data.sampler import GlobalBatchSampler
 from trainer.data.store import TokenStore, build_or_load, default_cache_dir, tokenizer_fingerprint
 from tessera.errors import DataError
 
@@ -177,20 +180,14 @@ class DataSplits:
 
     def sampler(self, global_batch_size: int, seed: int):
         """The global-batch sampler over the training split (trainer/data/sampler.py)."""
-        from trainer.data.sampler import GlobalBatchSampler
-
         return GlobalBatchSampler(len(self.train), global_batch_size, seed)
 
 
 def build_data(cfg, tokenizer, vocab_size: int, log: Callable[[str], None] = print) -> DataSplits:
     d = cfg.data
     if d.follow:  # records read as they arrive (trainer/data/follow.py)
-        from trainer.data.follow import FollowData
-
         return FollowData(d, tokenizer)
     if d.kind == "mixture":
-        from trainer.data.mixture import build_mixture
-
         return build_mixture(d, [_build_source(dataclasses.replace(d, kind=src.kind, path=src.path,
                                                                    text_field=src.text_field, sources=[]),
                                                tokenizer, vocab_size, log, where=f"data.sources[{i}] ({src.name})")

@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import time
+from contextlib import nullcontext
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -32,6 +33,9 @@ import torch
 import torch.distributed as dist
 
 from tessera.errors import DataError
+from trainer.data.sampler import rank_slice
+from trainer.data.store import tokenizer_fingerprint
+from trainer.observe.metrics import truncate_jsonl
 
 
 READ_BYTES = 4 << 20  # per file and read
@@ -228,14 +232,13 @@ class FollowSampler:
         self.stop = self.watchdog = self.log = None
         self.log_path = None
 
-    def bind(self, run) -> None:
-        """The run's stop request, watchdog and logger; follow.jsonl cut back to the run's step (a resume)."""
-        from trainer.observe.metrics import truncate_jsonl
-
-        self.stop, self.watchdog, self.log = run.stop, run.watchdog, run.logger.info
+    def bind(self, stop, watchdog, log, run_dir: str, step: int) -> None:
+        """The run's stop request, watchdog and log (one line); follow.jsonl cut back to the run's step (a
+        resume)."""
+        self.stop, self.watchdog, self.log = stop, watchdog, log
         if not dist.is_initialized() or dist.get_rank() == 0:
-            self.log_path = os.path.join(run.run_dir, "follow.jsonl")
-            truncate_jsonl(self.log_path, lambda s: s <= run.step)
+            self.log_path = os.path.join(run_dir, "follow.jsonl")
+            truncate_jsonl(self.log_path, lambda s: s <= step)
 
     def epoch_of(self, k: int) -> int:
         return 0
@@ -260,15 +263,11 @@ class FollowSampler:
         return np.arange(len(self.train))
 
     def micro_batches(self, k: int, dp_rank: int, dp_size: int, micro_batch_size: int):
-        from trainer.data.sampler import rank_slice
-
         local = rank_slice(self.global_batch(k), dp_rank, dp_size)
         return [local[i:i + micro_batch_size] for i in range(0, len(local), micro_batch_size)]
 
     def _wait_for(self, tokens: int) -> bool:
         """Read until the buffer holds `tokens`; every rank reads what rank 0 saw. False: stop instead."""
-        from contextlib import nullcontext
-
         waited, last_new, told = False, time.monotonic(), False
         exempt = self.watchdog.exempt("waiting for new records") if self.watchdog is not None else nullcontext()
         with exempt:
@@ -320,8 +319,6 @@ class FollowData:
     """DataSplits of a followed source: the current step's rows as the training split, no validation split."""
 
     def __init__(self, d, tokenizer):
-        from trainer.data.datasets import tokenizer_fingerprint
-
         self.d, self.tokenizer = d, tokenizer
         self.train = FollowSequences(d.seq_len)
         self.val = FollowSequences(d.seq_len)  # empty: every record trains

@@ -129,7 +129,7 @@ class MixtureSampler:
     def load_state_dict(self, state: dict) -> None:
         """Nothing to restore: batch k is a function of k."""
 
-    def bind(self, run) -> None:
+    def bind(self, stop, watchdog, log, run_dir: str, step: int) -> None:
         """Nothing of the run is needed."""
 
 

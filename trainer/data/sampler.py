@@ -50,7 +50,7 @@ class GlobalBatchSampler:
     def load_state_dict(self, state: dict) -> None:
         """Nothing to restore: batch k is a function of k (the run's step)."""
 
-    def bind(self, run) -> None:
+    def bind(self, stop, watchdog, log, run_dir: str, step: int) -> None:
         """Nothing of the run is needed (a followed source waits with the run's stop request: data/follow.py)."""
 
 

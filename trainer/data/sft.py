@@ -3,7 +3,7 @@
 Only assistant turns are trained on. The character span of each assistant turn is found by rendering the
 conversation up to that turn with the generation prompt (the prompt) and up to its end (prompt + response);
 tokens whose characters start inside a response span are targets. Tokenizers without a chat template get
-DEFAULT_CHAT_TEMPLATE below (documented in the README).
+DEFAULT_CHAT_TEMPLATE below (documented in docs/data.md).
 """
 from __future__ import annotations
 

@@ -11,21 +11,30 @@ none), or to `--dtype`: the same weights, in the same dtype, as the run's own en
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
 import sys
+from types import SimpleNamespace
 
-from tessera.errors import one_line
+import torch
+import torch.distributed.checkpoint as dcp
+from omegaconf import OmegaConf
 
+from models import lora, registry
+from tessera.errors import EXIT_BAD_INPUT, EXIT_FAULT, ModelError, TesseraError, one_line
+from trainer.checkpoint import manager as ckpt
+from trainer.checkpoint.manager import CheckpointError
+from trainer.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, checked_deepspeed_folder
+from trainer.exporting.hf_folder import dense_config, write_adapter_folder, write_hf_folder, write_hf_folder_streaming
+from trainer.run.cli import debug_traceback, fault_message, unwritable
+from trainer.run.precision import DTYPES as PRECISION_DTYPES
 
-DTYPES = ("fp32", "bf16", "fp16")
+DTYPES = tuple(PRECISION_DTYPES)  # the names export.dtype takes
 
 
 def checkpoint_export_dtype(path: str) -> str:
     """export.dtype of the run that saved the checkpoint folder `path` (its config.yaml); fp32 if it has none."""
-    from omegaconf import OmegaConf
-
-    from trainer.checkpoint.manager import CheckpointError
-
     config = os.path.join(path, "config.yaml")
     if not os.path.isfile(config):
         return "fp32"
@@ -43,13 +52,8 @@ def export_checkpoint(checkpoint: str, out_dir: str, dtype: str | None = None,
     """Write the checkpoint's fp32 master weights, cast to `dtype` (None: the run's export.dtype), as an HF
     folder. A peft=lora checkpoint: the merged model there and the adapter into `adapter_dir` (default
     `<out_dir>-adapter`). Returns (the checkpoint folder exported, the folders written)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from trainer.checkpoint import manager as ckpt
-    from trainer.exporting.hf_folder import write_hf_folder
-
     import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     transformers.utils.logging.disable_progress_bar()
     path = ckpt.resolve(checkpoint, checkpoint, key="checkpoint")
@@ -83,11 +87,6 @@ def export_checkpoint(checkpoint: str, out_dir: str, dtype: str | None = None,
 
 def _read_dcp(state: dict, path: str, what: str) -> None:
     """Fill `state` from the DCP checkpoint `path` on this one process (its files are read weights-only)."""
-    import torch.distributed.checkpoint as dcp
-
-    from trainer.checkpoint import manager as ckpt
-    from trainer.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner
-
     try:
         dcp.load(state, checkpoint_id=path, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(),
                  no_dist=True)
@@ -101,13 +100,8 @@ def _export_deepspeed(path: str, config, tokenizer, out_dir: str, dtype: str) ->
     """ZeRO shards -> HF folder, one parameter at a time (DeepSpeed's lazy fp32 reconstruction of the master
     weights), so the full fp32 model is never held at once. DeepSpeed's own files are pickles: each is checked
     weights-only against an exact allow-list first, and DeepSpeed's reads are weights-only (trainer/checkpoint/safe_load.py)."""
-    import contextlib
-    import io
-
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    from trainer.checkpoint.safe_load import checked_deepspeed_folder
-    from trainer.exporting.hf_folder import write_hf_folder_streaming
 
     with checked_deepspeed_folder(path):  # the lazy tensors read their files while they are written out
         with contextlib.redirect_stdout(io.StringIO()):  # its progress chatter
@@ -124,16 +118,6 @@ def _export_lora(path: str, meta: dict, config, tokenizer, out_dir: str, dtype: 
     """A LoRA checkpoint holds the adapters only: the base is built again as the run built it (the pretrained
     folder named by its config.yaml, in 4 bits for QLoRA, or the seeded preset), the adapters are read into it, and
     the merged model and the adapter are written as the run's own export writes them."""
-    from types import SimpleNamespace
-
-    import torch
-    from omegaconf import OmegaConf
-
-    from models import lora, registry
-    from tessera.errors import ModelError
-    from trainer.checkpoint import manager as ckpt
-    from trainer.exporting.hf_folder import dense_config, write_adapter_folder, write_hf_folder_streaming
-
     run = OmegaConf.load(os.path.join(path, "config.yaml"))
     config = dense_config(config)  # QLoRA: quantized again as the run did (registry.build); written dense
     try:
@@ -146,12 +130,7 @@ def _export_lora(path: str, meta: dict, config, tokenizer, out_dir: str, dtype: 
     adapters = lora.inject(model, SimpleNamespace(adapter=os.path.join(path, "hf_config")))
     trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
     if meta.get("checkpoint_format") == "deepspeed":
-        import contextlib
-        import io
-
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        from trainer.checkpoint.safe_load import checked_deepspeed_folder
 
         with checked_deepspeed_folder(path), contextlib.redirect_stdout(io.StringIO()):
             saved = get_fp32_state_dict_from_zero_checkpoint(path, tag="zero")
@@ -179,8 +158,6 @@ def main(argv=None) -> int:
                         help="a LoRA checkpoint (peft=lora): where the adapter goes (default: <out_dir>-adapter); "
                              "out_dir gets the merged model")
     args = parser.parse_args(argv)
-    from trainer.run.cli import debug_traceback, fault_message, unwritable
-    from tessera.errors import EXIT_BAD_INPUT, EXIT_FAULT, TesseraError
 
     why = unwritable(args.out_dir)
     if why:

@@ -7,6 +7,9 @@ import shutil
 
 import torch
 
+from models.lora import ADAPTER_WEIGHTS
+from tessera.errors import DivergenceError
+
 
 def write_hf_folder_streaming(config, tokenizer, out_dir: str, named_tensors, writer: bool,
                               max_shard_bytes: int = 2 << 30, dtype=None) -> None:
@@ -15,68 +18,84 @@ def write_hf_folder_streaming(config, tokenizer, out_dir: str, named_tensors, wr
     most one shard (`max_shard_bytes`) in memory, so no rank ever holds the whole model. Atomic like
     write_hf_folder. `dtype` (fp32 / bf16 / fp16 or a torch dtype; None: as yielded): the writer casts every
     floating-point tensor to it. config.json's `dtype` states the dtype written."""
-    import json
-
-    from safetensors.torch import save_file
-
     out_dir = os.path.abspath(out_dir)
     tmp = out_dir + ".tmp"
     if writer:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-    shard, shard_bytes, files, weight_map, total = {}, 0, [], {}, 0
-
-    def flush():
-        nonlocal shard, shard_bytes
-        if shard:
-            name = f"shard-{len(files):05d}.safetensors"
-            save_file(shard, os.path.join(tmp, name), metadata={"format": "pt"})
-            files.append(name)
-            weight_map.update({k: name for k in shard})
-        shard, shard_bytes = {}, 0
-
-    cast_to, written, non_finite = _export_torch_dtype(dtype), None, []
+    shards = _Shards(tmp, max_shard_bytes, _export_torch_dtype(dtype))
     for name, tensor in named_tensors:
-        if not writer or non_finite:
-            continue  # every rank still iterates: the iteration may be collective
-        floating = tensor.is_floating_point()
-        if floating and not bool(torch.isfinite(tensor).all()):
-            non_finite.append(name)
-            continue
-        target = cast_to if floating and cast_to is not None else tensor.dtype
-        if floating and written is None:
-            written = target
-        nbytes = tensor.numel() * target.itemsize
-        if shard and shard_bytes + nbytes > max_shard_bytes:
-            flush()
-        shard[name] = tensor.detach().to("cpu", dtype=target, copy=True).contiguous()
-        shard_bytes += nbytes
-        total += nbytes
+        if writer:  # every rank still iterates: the iteration may be collective
+            shards.add(name, tensor)
     if not writer:
         return
-    if non_finite:
+    if shards.non_finite:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise_non_finite(non_finite)
-    flush()
-    if len(files) == 1:
-        os.rename(os.path.join(tmp, files[0]), os.path.join(tmp, "model.safetensors"))
-    else:
-        final = {f: f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i, f in enumerate(files)}
-        for f, g in final.items():
-            os.rename(os.path.join(tmp, f), os.path.join(tmp, g))
-        with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as fh:
-            json.dump({"metadata": {"total_size": total}, "weight_map": {k: final[v] for k, v in weight_map.items()}},
-                      fh, indent=1)
+        raise_non_finite(shards.non_finite)
+    shards.finish()
     config.save_pretrained(tmp)
-    if written is not None:
-        _stamp_config_dtype(tmp, written)
+    if shards.written is not None:
+        _stamp_config_dtype(tmp, shards.written)
     tokenizer.save_pretrained(tmp)
     replace_folder(tmp, out_dir)
 
 
-def raise_non_finite(names) -> None:
-    from tessera.errors import DivergenceError
+class _Shards:
+    """The writer's safetensors shards in `tmp`, each up to `max_shard_bytes` (one held in memory at a time).
+    Floating-point tensors are cast to `cast_to` (None: kept); the first non-finite tensor stops the writing."""
 
+    def __init__(self, tmp: str, max_shard_bytes: int, cast_to):
+        self.tmp, self.max_shard_bytes, self.cast_to = tmp, max_shard_bytes, cast_to
+        self.shard, self.shard_bytes, self.files, self.weight_map, self.total = {}, 0, [], {}, 0
+        self.written = None  # the dtype floating-point tensors are written in
+        self.non_finite = []
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if self.non_finite:
+            return
+        floating = tensor.is_floating_point()
+        if floating and not bool(torch.isfinite(tensor).all()):
+            self.non_finite.append(name)
+            return
+        target = self.cast_to if floating and self.cast_to is not None else tensor.dtype
+        if floating and self.written is None:
+            self.written = target
+        nbytes = tensor.numel() * target.itemsize
+        if self.shard and self.shard_bytes + nbytes > self.max_shard_bytes:
+            self.flush()
+        self.shard[name] = tensor.detach().to("cpu", dtype=target, copy=True).contiguous()
+        self.shard_bytes += nbytes
+        self.total += nbytes
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if self.shard:
+            name = f"shard-{len(self.files):05d}.safetensors"
+            save_file(self.shard, os.path.join(self.tmp, name), metadata={"format": "pt"})
+            self.files.append(name)
+            self.weight_map.update({k: name for k in self.shard})
+        self.shard, self.shard_bytes = {}, 0
+
+    def finish(self) -> None:
+        """The last shard written, the files given HF's names (one: model.safetensors; more: numbered, with
+        model.safetensors.index.json)."""
+        import json
+
+        self.flush()
+        tmp, files = self.tmp, self.files
+        if len(files) == 1:
+            os.rename(os.path.join(tmp, files[0]), os.path.join(tmp, "model.safetensors"))
+            return
+        final = {f: f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i, f in enumerate(files)}
+        for f, g in final.items():
+            os.rename(os.path.join(tmp, f), os.path.join(tmp, g))
+        with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as fh:
+            json.dump({"metadata": {"total_size": self.total},
+                       "weight_map": {k: final[v] for k, v in self.weight_map.items()}}, fh, indent=1)
+
+
+def raise_non_finite(names) -> None:
     raise DivergenceError(f"the model holds non-finite weights ({len(names)} tensor(s), e.g. {names[0]}): not "
                           f"exported; export an earlier checkpoint")
 
@@ -164,7 +183,6 @@ def write_adapter_folder(adapters, folder: str, tensors: dict, base_name_or_path
 
     from safetensors.torch import save_file
 
-    from models.lora import ADAPTER_WEIGHTS
 
     bad = [k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
     if bad:

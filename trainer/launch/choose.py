@@ -15,15 +15,19 @@ from trainer.config.compose import REPO, compose
 MAIN = str(REPO / "trainer" / "main.py")
 
 
-def _launcher(cfg) -> str:
-    from trainer.strategies import strategy_class
+# strategy.name -> the launcher it needs: each strategy class declares it (Capabilities.launcher); this copy lets
+# launch.sh choose without importing torch (tests/unit/launch/test_choose.py holds the two equal).
+LAUNCHERS = {"single": "python", "ddp": "torchrun", "zero1": "deepspeed", "zero2": "deepspeed", "zero3": "deepspeed",
+             "zero3_offload": "deepspeed", "fsdp": "torchrun", "hsdp": "torchrun", "tp": "torchrun", "pp": "torchrun",
+             "fsdp_tp": "torchrun", "pp_fsdp": "torchrun", "3d": "torchrun"}
 
-    cls = strategy_class(cfg.strategy.name)
-    if cls is None:
-        return "python"
+
+def _launcher(cfg) -> str:
+    if cfg.strategy.name not in LAUNCHERS:
+        return "python"  # an unknown strategy: the entry point reports it
     if cfg.strategy.fault_tolerance == "torchft" and cfg.strategy.replica_group == -1:
         return "torchft"  # a lighthouse and every replica group on this machine (trainer/launch/torchft.py)
-    return cls.launcher
+    return LAUNCHERS[cfg.strategy.name]
 
 
 def launcher_for(overrides) -> str:
@@ -45,7 +49,7 @@ def launcher_command(launcher: str, nproc: int = 1, script: str = MAIN) -> list:
     """The command that starts `script` (default trainer/main.py) on `nproc` local processes with `launcher`:
     `python`, `torchrun`, `torchrun-quiet` (launch.sh's torchrun: signals forwarded, one-line failures) or
     `deepspeed`, from the running interpreter's environment, on a free port."""
-    from trainer.parallel.dims import free_port
+    from trainer.parallel.dims import free_port  # torch: only where a launch command is made
 
     bin_dir = os.path.dirname(sys.executable)
     if launcher == "python":

@@ -22,6 +22,7 @@ import subprocess
 import sys
 
 from trainer.launch.torchrun import Forwarder, children, outcome_after_stop
+from trainer.launch import ds_ops, restarts
 
 LAUNCH_MODULE = "deepspeed.launcher.launch"
 
@@ -53,13 +54,11 @@ def ranks_of(runner_pid: int) -> list:
 
 def prepare_ops() -> int:
     """Exit code 2 for a stale build lock; build a missing op with progress. 0 when ready (or not needed)."""
-    from trainer.launch import ds_ops
 
     return ds_ops.main(["build"])
 
 
 def main(argv) -> int:
-    from trainer.launch import restarts
 
     code = prepare_ops()
     if code:

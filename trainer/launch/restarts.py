@@ -8,8 +8,9 @@ way. torchrun used directly restarts with its own `--max-restarts` (its elastic 
 elastic job after a node left or joined).
 
 Either way the restarted ranks see their restart count (TESSERA_RESTART_COUNT, or torchrun's
-TORCHELASTIC_RESTART_COUNT) and continue the run of their run directory: from its newest complete checkpoint
-(incomplete ones, from a save that was killed, are skipped), or from the start when there is none yet. The
+TORCHELASTIC_RESTART_COUNT) and continue the run of their run directory (the resume plan reads the count:
+trainer/checkpoint/resume_plan.py `intend`): from its newest complete checkpoint (incomplete ones, from a save
+that was killed, are skipped), or from the start when there is none yet. The
 deterministic sampler and exact resume make the continued run the same as one never interrupted, and
 metrics.jsonl is cut back to the resumed step, so it stays one series.
 """
@@ -33,24 +34,6 @@ def restart_count() -> int:
         if value.isdigit() and int(value) > 0:
             return int(value)
     return 0
-
-
-def continue_run(cfg, run_dir: str, log: Callable[[str], None]) -> None:
-    """For a restarted rank: continue this run directory's run (checkpoint.resume=auto), whatever the first
-    attempt was asked to resume from, once the run has a complete checkpoint of its own."""
-    n = restart_count()
-    if n == 0:
-        return
-    from trainer.checkpoint import manager as ckpt
-
-    own = ckpt.complete_checkpoints(os.path.join(run_dir, "checkpoints"))
-    if own or cfg.checkpoint.resume == "none":
-        cfg.checkpoint.resume = "auto"
-        cfg.checkpoint.load_weights_only = False
-        where = f"its checkpoint of step {own[-1][0]}" if own else "step 0 (no complete checkpoint yet)"
-    else:
-        where = f"checkpoint.resume={cfg.checkpoint.resume} again (no complete checkpoint of its own yet)"
-    log(f"restart {n}: continuing the run in {run_dir} from {where}")
 
 
 def retryable(code) -> bool:

@@ -16,10 +16,10 @@ import subprocess
 import sys
 
 from trainer.launch.torchrun import Forwarder, outcome_after_stop
+from trainer.launch import restarts
 
 
 def main(argv) -> int:
-    from trainer.launch import restarts
 
     child = None
     stop = Forwarder(lambda: [child.pid] if child is not None and child.poll() is None else [])

@@ -7,7 +7,7 @@ on). SIGTERM / Ctrl-C reach every group, which stop and save. The exit code is t
     python -m trainer.launch.torchft --nproc_per_node 2 trainer/main.py strategy.fault_tolerance=torchft ...
 
 On several machines, start one lighthouse (`torchft_lighthouse --min_replicas 1`) and one torchrun job per
-group with strategy.replica_group=<g> and strategy.lighthouse=http://<host>:29510 (README "When ranks fail").
+group with strategy.replica_group=<g> and strategy.lighthouse=http://<host>:29510 (docs/fault-tolerance.md).
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def _reachable(port: int) -> bool:
 
 def start_lighthouse(min_replicas: int):
     """A lighthouse on a free local port -> (process, address); an error exit when it does not come up."""
-    from trainer.parallel.dims import free_port
+    from trainer.parallel.dims import free_port  # torch: only once a lighthouse starts
 
     port = free_port()
     proc = subprocess.Popen(lighthouse_command(min_replicas, port), env=dict(os.environ, RUST_LOG="warn"),
@@ -59,6 +59,7 @@ def start_lighthouse(min_replicas: int):
 
 
 def main(argv) -> int:
+    # hydra and torch: only for a launch, not for this module's constants
     from trainer.launch.choose import compose
     from trainer.parallel.replica_groups import LIGHTHOUSE_ENV, lighthouse_address
 

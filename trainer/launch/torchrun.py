@@ -18,6 +18,9 @@ import signal
 import sys
 import threading
 
+from tessera.errors import EXIT_FAULT, EXIT_INTERRUPTED
+from trainer.launch import restarts
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 TORCHRUN_SIGNALS = "SIGHUP,SIGQUIT"  # torchrun's own handling (SignalException) stays for these only
 
@@ -97,7 +100,6 @@ class Forwarder:
 def outcome_after_stop(code: int, stop: Forwarder) -> int:
     """The exit code of a launch whose ranks ended with `code`, after a stop signal the Forwarder passed on (or
     not: then `code` as it is)."""
-    from tessera.errors import EXIT_FAULT, EXIT_INTERRUPTED
 
     if stop.signum is None:
         return code
@@ -123,8 +125,6 @@ def _with_default_signals(argv):
 
 def main(argv) -> int:
     from torch.distributed.run import parse_args
-
-    from trainer.launch import restarts
 
     args = parse_args(_with_default_signals(argv))
     os.environ["TESSERA_LAUNCHER_PID"] = str(os.getpid())  # the ranks inherit it: they watch this process
@@ -182,12 +182,10 @@ def _attempt_once(args, stop: Forwarder) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
 
-    from tessera.errors import EXIT_FAULT, EXIT_INTERRUPTED
-
     try:
         run(args)
     except RuntimeError as e:  # the agent's own rendezvous store could not bind --master_port
-        from trainer.parallel.dims import port_in_use_message
+        from trainer.parallel.dims import port_in_use_message  # torch's: only on this failure
 
         text = str(e).lower()
         if "eaddrinuse" not in text and "address already in use" not in text:

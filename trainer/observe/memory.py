@@ -21,8 +21,8 @@ from typing import Dict, List
 import torch.distributed as dist
 
 from tessera.errors import one_line
+from trainer.observe.model_states import CATEGORIES, memory_layout, state_bytes
 
-CATEGORIES = ("params", "master_params", "optimizer", "grads", "gathered")
 MODEL_STATES = ("params", "grads", "optimizer", "master_params")  # what the ZeRO paper's formulas count
 
 
@@ -42,7 +42,7 @@ class FirstStepProbe:
 
     def snap(self, point: str) -> None:
         try:  # runs inside the step: a failure to measure must never fail training
-            figures = self.strategy.model_state_bytes()
+            figures = state_bytes(self.strategy)
         except Exception as e:  # noqa: BLE001
             self.errors.append(f"{point}: {one_line(e)}")
             return
@@ -83,11 +83,12 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f}"
 
 
-def write_report(run, probe: FirstStepProbe) -> None:
-    """All ranks: gather every rank's entry, then rank 0 logs one line and writes <run dir>/memory.json."""
-    strategy = run.strategy
+def write_report(probe: FirstStepProbe, strategy, model, step: int, run_dir: str, log, labels: dict) -> None:
+    """All ranks: gather every rank's entry, then rank 0 logs one line and writes <run dir>/memory.json. `model`:
+    the built model's facts (num_params, shapes, built_param_bytes: trainer/run/build.py ModelFacts); `labels`:
+    {"strategy": ..., "precision": ...} as the config names them; `log`: one line to the run's log."""
     mine = dict(probe.report(), rank=dist.get_rank() if dist.is_initialized() else 0,
-                built_params=run.built_param_bytes)
+                built_params=model.built_param_bytes)
     ranks = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
         ranks = [None] * dist.get_world_size()
@@ -95,19 +96,23 @@ def write_report(run, probe: FirstStepProbe) -> None:
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     world = len(ranks)
-    result = {"world_size": world, "dp_size": strategy.dp_size, "strategy": run.cfg.strategy.name,
-              "precision": run.cfg.precision.name, "num_params": run.num_params,
-              "largest_layer_params": largest_layer_params(run.model_shapes), "step": run.step, "ranks": ranks}
-    result.update(strategy.memory_layout())
-    path = os.path.join(run.run_dir, "memory.json")
+    result = {"world_size": world, "dp_size": strategy.dp_size, **labels, "num_params": model.num_params,
+              "largest_layer_params": largest_layer_params(model.shapes), "step": step, "ranks": ranks}
+    result.update(memory_layout(strategy))
+    path = os.path.join(run_dir, "memory.json")
     with open(path + ".tmp", "w") as fh:
         json.dump(result, fh, indent=1)
     os.replace(path + ".tmp", path)
+    _log_summary(ranks, step, path, log)
+
+
+def _log_summary(ranks: list, step: int, path: str, log) -> None:
+    world = len(ranks)
     top = {c: max(r[c] for r in ranks) for c in (*CATEGORIES, "model_states")}
     errors = [f"rank {r['rank']}: {e}" for r in ranks for e in r["errors"]]
     if errors:
-        run.logger.info(f"warning: model-state memory not measured everywhere ({'; '.join(errors[:4])})")
-    run.logger.info(f"model-state memory per rank (MiB, max over {world} ranks, peaks in step {run.step}): "
-                    f"params {_mib(top['params'])} | grads {_mib(top['grads'])} | optimizer "
-                    f"{_mib(top['optimizer'])} | fp32 master {_mib(top['master_params'])} | model states "
-                    f"{_mib(top['model_states'])} | gathered params {_mib(top['gathered'])} -> {path}")
+        log(f"warning: model-state memory not measured everywhere ({'; '.join(errors[:4])})")
+    log(f"model-state memory per rank (MiB, max over {world} ranks, peaks in step {step}): "
+        f"params {_mib(top['params'])} | grads {_mib(top['grads'])} | optimizer "
+        f"{_mib(top['optimizer'])} | fp32 master {_mib(top['master_params'])} | model states "
+        f"{_mib(top['model_states'])} | gathered params {_mib(top['gathered'])} -> {path}")

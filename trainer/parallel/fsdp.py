@@ -15,19 +15,21 @@ from __future__ import annotations
 from typing import List, Optional
 
 import torch
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-PRECISION_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+from models.init import retie, shared_parameters
+from models.weights import is_checkpoint
+from tessera.errors import ModelError
+from trainer.run.precision import DTYPES, autocast_dtype
 
 
 def fsdp_config_problems(cfg) -> List[str]:
     """The FSDP knobs (strategy.param_dtype / reduce_dtype / cpu_offload) and the DeepSpeed ones FSDP rejects."""
     problems = []
     s = cfg.strategy
-    if s.name == "fsdp" and s.dp_replicate not in (1,):
-        problems.append(f"strategy=fsdp shards over every rank: strategy.dp_replicate must be 1 (got "
-                        f"{s.dp_replicate}); for replicated shard groups use strategy=hsdp")
     for key, allowed in (("param_dtype", DTYPES), ("reduce_dtype", ("fp32", "bf16"))):
         value = getattr(s, key)
         if value is not None and value not in allowed:
@@ -52,7 +54,7 @@ def fsdp_dtypes(cfg):
     """(param_dtype, reduce_dtype) of FSDP's mixed-precision policy: the compute dtype follows precision= unless
     strategy.param_dtype says otherwise; gradients are reduced in fp32 unless strategy.reduce_dtype=bf16."""
     s = cfg.strategy
-    param = DTYPES[s.param_dtype] if s.param_dtype else PRECISION_DTYPES[cfg.precision.name]
+    param = DTYPES[s.param_dtype] if s.param_dtype else autocast_dtype(cfg.precision.name)
     return param, DTYPES[s.reduce_dtype or "fp32"]
 
 
@@ -60,8 +62,6 @@ def apply_fsdp(blocks, root, mesh, param_dtype, reduce_dtype, reshard_after_forw
                pin_memory: bool) -> None:
     """fully_shard each block, then the root, over `mesh` (1-D: shard; 2-D replicate x shard: hsdp), with the
     mixed-precision and offload policies; gradients summed (see the module docstring)."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
     options = dict(
         mesh=mesh, reshard_after_forward=reshard_after_forward,
         mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
@@ -80,8 +80,6 @@ def materialize(model, device: torch.device, cpu_offload: bool) -> None:
     with CPU offload the parameters stay on the host and the buffers go to the device. Parameters that modules
     share (tied embeddings) stay shared: `to_empty` gives each module a new parameter object where the
     parameter is a DTensor, so the ties are recorded first and made again."""
-    from models.init import retie, shared_parameters
-
     ties = shared_parameters(model)
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     model.to_empty(device="cpu" if cpu_offload else device)
@@ -103,7 +101,7 @@ def load_full_tensors(targets: dict, initial_weights) -> None:
     pipeline stages hold only some of the model)."""
     if initial_weights is None:
         return
-    if hasattr(initial_weights, "read"):
+    if is_checkpoint(initial_weights):
         for name, target in targets.items():
             if initial_weights.key(name) is None:
                 continue  # a buffer the checkpoint does not hold: as built
@@ -119,8 +117,6 @@ def missing_pretrained(initial_weights, named_parameters) -> None:
     """A pretrained checkpoint must hold every parameter the model has (a buffer may be missing)."""
     missing = initial_weights.missing(n for n, _ in named_parameters)
     if missing:
-        from tessera.errors import ModelError
-
         raise ModelError(f"model.name_or_path: the checkpoint in {initial_weights.folder} lacks "
                          f"{len(missing)} of the model's parameters ({', '.join(missing[:4])} ...)")
 
@@ -128,9 +124,7 @@ def missing_pretrained(initial_weights, named_parameters) -> None:
 def _write(target: torch.Tensor, read) -> None:
     """Copy this rank's part of a full tensor into `target` (a DTensor shard, on any mesh and placements, or a
     plain tensor); `read(index)` returns the full tensor's block at a tuple of slices (None: all of it)."""
-    from torch.distributed.tensor import DTensor
     # torch has no public function for a shard's offset in the full tensor (DTensor uses this one itself).
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if not isinstance(target, DTensor):
         target.copy_(read(None))
@@ -160,8 +154,6 @@ def fsdp_trees(strategy) -> list:
     (`fully_shard`) modules: the pipeline stage modules a strategy keeps apart from its model (`stage_modules`;
     FSDP's root there is the stage module, which the model's tree does not contain), then the model. Each FSDP
     module once, in the first tree that holds it."""
-    from torch.distributed.fsdp import FSDPModule
-
     roots = [*(getattr(strategy, "stage_modules", None) or {}).values(), strategy.unwrapped()]
     trees, seen = [], set()
     for root in roots:
@@ -254,8 +246,6 @@ def fsdp_layout(strategy, shard_size: int) -> Optional[dict]:
     """FSDP2 only: the shard group's size and each FSDP module's parameter count (full sizes; the root's first):
     what the gathered parameters of a module cost. A module's own parameters are those not under a nested FSDP
     module."""
-    from torch.distributed.fsdp import FSDPModule
-
     units = []
     for _, modules in fsdp_trees(strategy):
         for m in modules:

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from tessera.errors import FaultError, TesseraError, one_line
+from trainer.data.datasets import IGNORE
 from trainer.observe import comm_bytes
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
@@ -295,3 +296,88 @@ class ReplicaGroups:
     def close(self) -> None:
         self.manager.shutdown(wait=False)
         self._store = None
+
+
+class FaultTolerance:
+    """torchft replica groups around the training loop (torchtitan's FTManager pattern), owned by the run: the
+    quorum before each step (a recovering group first copies the model, optimizer, loss scaler and every state
+    shared with `share_state` from a live group), the live groups' gradients summed before the strategy steps
+    (normalised by the target tokens they trained), and whether the step was committed."""
+
+    def __init__(self, cfg, strategy):
+        self.groups = ReplicaGroups(cfg, strategy.device)
+        model, optimizer = strategy.unwrapped(), strategy.optimizer
+        self.share_state("model", lambda: local_tensors(model.state_dict()),
+                         lambda state: copy_into_module(model, state))
+        self.share_state("optimizer", lambda: local_optimizer_state(optimizer),
+                         lambda state: load_optimizer_state(optimizer, state))
+        self.share_state("precision", strategy.precision.state_dict, strategy.precision.load_state_dict)
+
+    def share_state(self, key: str, state_dict, load_state_dict) -> None:
+        """Run state (scheduler, progress) that a recovering replica group copies from a live one."""
+        self.groups.share_state(key, state_dict, load_state_dict)
+
+    def begin_step(self, step: int) -> None:
+        """Before step `step`'s batch is read: the quorum, which may move the run's step (a recovering group)."""
+        self.groups.begin_step(step)
+
+    def optimizer_step(self, strategy, loss_sum, micro_batches, num_target_tokens: int, max_norm: float):
+        """Sum the live groups' gradients, then the strategy's step -> (norm, skipped); when the groups cannot
+        commit (one failed during the step), no update: committed() is then False and the step runs again."""
+        tokens = sum(int((b["labels"] != IGNORE).sum()) for b in micro_batches)
+        grads = [p.grad for p in strategy.unwrapped().parameters() if p.grad is not None]
+        self.groups.reduce(grads, loss_sum, tokens, num_target_tokens)
+        if not self.groups.commit():
+            strategy.optimizer.zero_grad(set_to_none=True)
+            return torch.zeros((), dtype=torch.float64), False
+        return strategy.optimizer_step(max_norm)
+
+    def committed(self) -> bool:
+        return self.groups.committed
+
+    def trained_tokens(self, num_target_tokens: int) -> int:
+        """Target tokens the last step trained on (fewer than the global batch's while a group is down)."""
+        return int(self.groups.tokens)
+
+    def step_loss(self, strategy, loss_sum, num_target_tokens: int) -> float:
+        return self.groups.loss_sum / max(self.groups.tokens, 1.0)
+
+    def metrics(self) -> dict:
+        return {"replica_groups": self.groups.participants}
+
+    def close(self) -> None:
+        self.groups.close()
+
+
+class NoFaultTolerance:
+    """The same surface without replica groups: every step is the strategy's and is committed."""
+
+    def share_state(self, key: str, state_dict, load_state_dict) -> None:
+        pass
+
+    def begin_step(self, step: int) -> None:
+        pass
+
+    def optimizer_step(self, strategy, loss_sum, micro_batches, num_target_tokens: int, max_norm: float):
+        return strategy.optimizer_step(max_norm)
+
+    def committed(self) -> bool:
+        return True
+
+    def trained_tokens(self, num_target_tokens: int) -> int:
+        return num_target_tokens
+
+    def step_loss(self, strategy, loss_sum, num_target_tokens: int) -> float:
+        """The step's loss: token cross-entropy over the global batch (a collective, on log steps)."""
+        return strategy.dp_sum(loss_sum).item() / num_target_tokens
+
+    def metrics(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+def fault_tolerance(cfg, strategy):
+    """The run's fault-tolerance manager, made once the strategy is set up."""
+    return FaultTolerance(cfg, strategy) if cfg.strategy.fault_tolerance == "torchft" else NoFaultTolerance()

@@ -172,8 +172,9 @@ def sync_state_bytes(cfg, psi: float) -> tuple:
     return 4 * psi, optimizer
 
 
-def sync_problems(cfg, strategy_name: str, can_sync: bool) -> List[str]:
-    """Config problems of the sync group for a strategy (`can_sync`: whether it runs local SGD / DiLoCo)."""
+def sync_problems(cfg, can_sync: bool, without_model_parallel: bool) -> List[str]:
+    """Config problems of the sync group for a strategy (`can_sync`: whether it runs local SGD / DiLoCo in this
+    layout; `without_model_parallel`: whether it would with strategy.tp=1 and strategy.pp=1)."""
     s = cfg.sync
     if s.name == "every_step":
         if s.overlap:
@@ -181,8 +182,8 @@ def sync_problems(cfg, strategy_name: str, can_sync: bool) -> List[str]:
         return []
     problems = []
     if not can_sync:
-        problems.append(f"sync={s.name} is not available with strategy={strategy_name}"
-                        f"{' and tensor or pipeline parallelism' if strategy_name == 'hsdp' else ''}; use "
+        problems.append(f"sync={s.name} is not available with strategy={cfg.strategy.name}"
+                        f"{' and tensor or pipeline parallelism' if without_model_parallel else ''}; use "
                         f"strategy=ddp (each rank a worker), strategy=hsdp (each replica group a worker, sharded "
                         f"inside) or sync=every_step")
     if cfg.strategy.fault_tolerance != "none":

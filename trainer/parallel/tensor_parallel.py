@@ -7,13 +7,18 @@ from __future__ import annotations
 import re
 
 import torch
+import torch.distributed._functional_collectives as funcol
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput,
+                                               RowwiseParallel, SequenceParallel, parallelize_module)
+
+from models.init import decoder_blocks, retie, shared_parameters
+from tessera.errors import ModelError
+from trainer.observe import comm_bytes
 
 
 def _styles(sequence_parallel: bool) -> dict:
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
     sp = sequence_parallel
     return {
         # Sequence parallelism: outside attention and MLP the activations stay split over the sequence (dim 1);
@@ -38,8 +43,6 @@ def _styles(sequence_parallel: bool) -> dict:
 
 def _replicate_parameters(module, mesh) -> None:
     """The module's own plain parameters as replicated DTensors (one kind of parameter for the optimizer)."""
-    from torch.distributed.tensor import DTensor, Replicate
-
     for key, p in list(module.named_parameters(recurse=False)):
         if not isinstance(p, DTensor):
             module.register_parameter(key, nn.Parameter(DTensor.from_local(p.data, mesh, [Replicate()],
@@ -51,13 +54,8 @@ def _ReplicatedGradAllReduce():
     """Parameters replicated; the input is this rank's share (its heads) of a larger tensor, so it enters as a
     DTensor sharded over a dimension the module does not reduce (the batch): DTensor then sums the weight's
     gradient over the ranks in backward (a partial sum all-reduced), also under FSDP."""
-    from torch.distributed.tensor import DTensor, Shard
-    from torch.distributed.tensor.parallel import ParallelStyle
-
     class ReplicatedGradAllReduce(ParallelStyle):
         def _apply(self, module, device_mesh):
-            from torch.distributed.tensor import distribute_module
-
             def inputs(mod, args, mesh):
                 return tuple(DTensor.from_local(x, mesh, [Shard(0)], run_check=False)
                              if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in args)
@@ -77,9 +75,6 @@ def _WholeOnEveryRank():
     grouped matmuls): parameters are replicated DTensors (one kind of parameter for the optimizer) but its
     forward runs on their local tensors, since DTensor has no rule (or a narrower one) for its data-dependent
     ops. The gradient comes back Replicate; every rank computed the same, so no reduction is needed."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import ParallelStyle
-
     class WholeOnEveryRank(ParallelStyle):
         def _apply(self, module, device_mesh):
             _replicate_parameters(module, device_mesh)
@@ -119,18 +114,10 @@ def resolve_plan(part: nn.Module, plan: dict) -> dict:
 
 
 def apply_tp(part: nn.Module, plan: dict, tp_mesh, sequence_parallel: bool) -> None:
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
-                                                   SequenceParallel, parallelize_module)
-
-    from models.init import decoder_blocks, retie, shared_parameters
-
     ties = shared_parameters(part)
     styles = _styles(sequence_parallel)
     unknown = sorted({st for st in plan.values() if st not in styles})
     if unknown:
-        from tessera.errors import ModelError
-
         raise ModelError(f"the model's tensor-parallel plan uses style(s) {', '.join(map(repr, unknown))}, which "
                          f"Tessera does not apply (supported: {', '.join(styles)}); set strategy.tp=1")
     resolved = {n: styles[st]() for n, st in resolve_plan(part, plan).items()}
@@ -165,8 +152,6 @@ def apply_tp(part: nn.Module, plan: dict, tp_mesh, sequence_parallel: bool) -> N
 def _sequence_gather_hook(tp_mesh):
     """Forward pre-hook: the sequence-split hidden states (first argument or `hidden_states=`) made whole (an
     all-gather whose backward reduce-scatters)."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
     def whole(x):
         d = DTensor.from_local(x, tp_mesh, [Shard(1)], run_check=False)
         return d.redistribute(tp_mesh, [Replicate()]).to_local()
@@ -184,8 +169,6 @@ def _sequence_gather_hook(tp_mesh):
 def _replicate_the_rest(part, tp_mesh) -> None:
     """Modules the plan leaves whole (norms; embeddings/head when not split) get their parameters as replicated
     DTensors, taking and returning plain tensors."""
-    from torch.distributed.tensor import DTensor, Replicate, distribute_module
-
     def to_dtensor(mod, inputs, mesh):
         return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
                      if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
@@ -207,8 +190,6 @@ def grads_in_param_layout(module) -> None:
     Replicate: without this every rank would hold the whole embedding gradient until the step (Replicate ->
     Shard keeps the local slice, no communication); a replicated parameter's partial gradient is summed.
     FSDP2 does the same for the parameters it manages."""
-    from torch.distributed.tensor import DTensor
-
     def layout_hook(param):
         def to_param_layout(grad):
             if isinstance(grad, DTensor) and grad.placements != param.placements:
@@ -234,9 +215,6 @@ FUNCTIONAL_COLLECTIVES = {
 
 def count_functional_collectives() -> None:
     """comm_bytes for DTensor's redistributions: they call torch's functional collectives (a private module,
-    reached through its module attributes), not torch.distributed's functions."""
-    import torch.distributed._functional_collectives as funcol
-
-    from trainer.observe import comm_bytes
-
+    reached through its module attributes), not torch.distributed's functions. Nothing unless
+    logging.comm_bytes=true (comm_bytes.install() ran)."""
     comm_bytes.wrap(funcol, FUNCTIONAL_COLLECTIVES)

@@ -11,22 +11,40 @@ activation checkpointing, in-flight pipeline micro-batches), host RAM while load
 trainer would run before starting (divisibility of degrees, heads, layers, batch). With `plan.device_memory`
 (GiB per device) it says whether the run fits and lists the strategies that would, cheapest first.
 
-Each strategy states its own model-state estimate (`Strategy.estimate_model_states`); the figures follow what
+Each strategy's model-state estimate is a function in trainer/planner/model_states.py; the figures follow what
 the memory report (logging.memory_report=true, trainer/observe/memory.py) measures in real runs (per-category peaks
 over the first step); tests compare them at world sizes 2 and 4. Activations are an estimate (what autograd keeps per
 token and layer for a Llama-style block with fused attention), flagged as such.
 """
 from __future__ import annotations
 
+import copy
+import fnmatch
 import os
 import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from trainer.config.compose import CONF_DIR
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from torch import nn
+
+from models import plans, registry
+from models.init import decoder_blocks, meta_model
+from models.lora import Adapters, meta_adapted
+from tessera.errors import EXIT_BAD_INPUT, ConfigError, TesseraError, one_line
+from trainer.config import schema as C
+from trainer.config.compose import CONF_DIR, compose
+from trainer.parallel.dims import ParallelDims
+from trainer.parallel.pipeline import SCHEDULES, stage_indices, stages_per_rank
+from trainer.planner.model_states import MODEL_STATES
+from trainer.run import build as B
+from trainer.run.cli import debug_traceback, sanitize_argv
+from trainer.run.precision import element_bytes
+from trainer.strategies import STRATEGIES, strategy_class
 
 GIB = 2 ** 30
-HALF = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 @dataclass
@@ -44,11 +62,6 @@ class Counts:
 
 
 def count_parameters(model, tp: int = 1) -> Counts:
-    import fnmatch
-
-    from models import plans
-    from models.init import decoder_blocks
-
     params = dict(model.named_parameters())
     blocks = decoder_blocks(model)
     block_counts = [sum(p.numel() for p in b.parameters()) for _, b in blocks]
@@ -96,18 +109,8 @@ class Estimate:
         return self.model_states + self.buffers + self.activations
 
 
-def optimizer_bytes_per_param(cfg) -> int:
-    """fp32 optimizer-state bytes per parameter."""
-    if cfg.optim.name == "adamw":
-        return 8  # exp_avg + exp_avg_sq, fp32
-    return 4 if cfg.optim.momentum else 0
-
-
 def _stage_share(cfg, dims, counts: Counts, info) -> tuple:
     """(parameters on the heaviest pipeline rank, of which split by tensor parallelism) in elements."""
-    from models import plans
-    from trainer.parallel.pipeline import SCHEDULES, stage_indices, stages_per_rank
-
     s = cfg.strategy
     if dims.pp <= 1:
         split = sum(counts.tp_split.values())
@@ -135,7 +138,7 @@ def activation_bytes(cfg, info, dims, layers_here: int) -> float:
     tokens = t.micro_batch_size * cfg.data.seq_len
     h, hkv = info.hidden_size, info.hidden_size * info.num_kv_heads // max(info.num_heads, 1)
     inter = getattr(info.hf_config, "intermediate_size", None) or getattr(info.hf_config, "n_inner", None) or 4 * h
-    a = HALF.get(cfg.precision.name, 4)
+    a = element_bytes(cfg.precision.name)
     # per token and block: norm inputs/outputs, q, k, v, attention output, o_proj input, MLP gate/up/act/product
     split_values = (h + 2 * hkv + h + 4 * inter) / max(dims.tp, 1)
     whole_values = 4 * h / (dims.tp if cfg.strategy.sequence_parallel else 1)
@@ -151,8 +154,6 @@ def activation_bytes(cfg, info, dims, layers_here: int) -> float:
         blocks = kept * per_block
     in_flight = 1
     if dims.pp > 1:
-        from trainer.config import schema as C
-
         micro = C.grad_accumulation_steps(cfg, dims.dp_size)
         in_flight = micro if cfg.strategy.pp_schedule in ("gpipe", "looped_bfs") else min(micro, dims.pp)
     logits = tokens * info.vocab_size * (4 + 4 + a)  # fp32 logits for the loss, their gradient, the head output
@@ -160,11 +161,6 @@ def activation_bytes(cfg, info, dims, layers_here: int) -> float:
 
 
 def estimate(cfg, world_size: int, info, counts: Optional[Counts] = None) -> Estimate:
-    from trainer.run import build as B
-    from tessera.errors import ConfigError, one_line
-    from trainer.parallel.dims import ParallelDims
-    from trainer.strategies import strategy_class
-
     s = cfg.strategy
     est = Estimate(s.name, world_size)
     try:
@@ -172,7 +168,6 @@ def estimate(cfg, world_size: int, info, counts: Optional[Counts] = None) -> Est
     except ConfigError as e:
         est.problems = list(e.problems)
     except Exception as e:  # noqa: BLE001 - an unknown model etc.: still a problem to report
-        from trainer.run.cli import debug_traceback
 
         debug_traceback()
         est.problems = [one_line(e)]
@@ -181,8 +176,6 @@ def estimate(cfg, world_size: int, info, counts: Optional[Counts] = None) -> Est
     dims = ParallelDims.from_config(s, world_size)
     model = None
     if counts is None:
-        from models.lora import meta_adapted
-
         model = meta_adapted(info.hf_config, cfg.peft)  # peft=lora: the adapters counted in
         counts = count_parameters(model, dims.tp)
     here, split = _stage_share(cfg, dims, counts, info)
@@ -193,7 +186,7 @@ def estimate(cfg, world_size: int, info, counts: Optional[Counts] = None) -> Est
     cls = strategy_class(s.name)
     if cls is None:  # an unknown strategy: the config problems say so
         return est
-    cls.estimate_model_states(est, cfg, dims, counts, rank_params)  # each strategy's own rules
+    MODEL_STATES[cls](est, cfg, dims, counts, rank_params)  # each strategy's own rules
     if cfg.peft.name != "none" and model is not None:
         lora_states(est, cfg, info, model)
     est.notes.append(f"host RAM per node while loading: {est.host_load * min(nproc, _local_procs()) / GIB:.2f} GiB "
@@ -210,10 +203,6 @@ def lora_states(est: Estimate, cfg, info, model) -> None:
     """peft=lora: gradients, optimizer state and master weights exist for the adapters only; each strategy shards
     (or not) what trains as it shards the rest, so its estimate scales by the trainable fraction. QLoRA: the linear
     layers of the base (all but the head, as transformers quantizes) in nf4."""
-    from torch import nn
-
-    from models.lora import Adapters
-
     adapters = Adapters(model)
     fraction = adapters.trained / max(adapters.total, 1)
     est.grads *= fraction
@@ -222,17 +211,11 @@ def lora_states(est: Estimate, cfg, info, model) -> None:
     est.notes.append(f"peft=lora: {adapters.trained / 1e6:.3f}M of {adapters.total / 1e6:.2f}M parameters train "
                      f"(gradients, optimizer state and master weights for those only)")
     if cfg.peft.quantization == "nf4":
-        from models.init import meta_model
-
         base = meta_model(info.hf_config)
         head = base.get_output_embeddings()
         quantized = sum(m.weight.numel() for m in base.modules() if isinstance(m, nn.Linear) and m is not head)
         est.params -= (4 - NF4_BYTES) * quantized
         est.notes.append(f"peft.quantization=nf4: {quantized / 1e6:.2f}M base weights at {NF4_BYTES:.3f} bytes each")
-
-
-def is_pretrained(cfg) -> bool:
-    return cfg.model.kind == "hf"
 
 
 def _local_procs() -> int:
@@ -245,14 +228,6 @@ def _local_procs() -> int:
 def feasible(cfg, world_size: int, info, device_gib: float) -> tuple:
     """([(device total GiB, strategy, fits)] for every strategy valid at this world size with its group's
     default degrees, cheapest first; [(strategy, its first problem)] for the others)."""
-    import copy
-
-    from omegaconf import OmegaConf
-
-    from models.init import meta_model
-    from trainer.config import schema as C
-    from trainer.strategies import STRATEGIES
-
     rows, invalid = [], []
     conf = str(CONF_DIR / "strategy")
     for name in STRATEGIES:
@@ -272,8 +247,6 @@ def feasible(cfg, world_size: int, info, device_gib: float) -> tuple:
 
 
 def count_parameters_total(info) -> int:
-    from models.init import meta_model
-
     return sum(p.numel() for p in meta_model(info.hf_config).parameters())
 
 
@@ -322,13 +295,9 @@ EXIT_DOES_NOT_FIT = 1  # `plan` only: the config is valid but needs more than pl
 def main(argv=None) -> int:
     """Exit codes: 0 valid (and fits plan.device_memory when given), 1 valid but does not fit, 2 the config has
     problems (the same problems and code training would give)."""
-    from trainer.run.cli import sanitize_argv
-    from tessera.errors import EXIT_BAD_INPUT, TesseraError
-
     argv = sanitize_argv(list(sys.argv[1:] if argv is None else argv))
     try:
         cfg, world_size, device_gib = _compose(argv)
-        from models import registry
 
         tokenizer = registry.load_tokenizer(cfg.model)
         info = registry.describe(cfg.model, tokenizer)
@@ -346,13 +315,6 @@ def main(argv=None) -> int:
 
 def _compose(overrides):
     """The training config from the same overrides, plus plan.world_size / plan.device_memory."""
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from trainer.config import schema as C
-    from trainer.config.compose import compose
-    from tessera.errors import ConfigError, one_line
-
     plan = {}
     rest = []
     for o in overrides:
@@ -368,10 +330,9 @@ def _compose(overrides):
     try:
         ws = plan.get("plan.world_size") or os.environ.get("WORLD_SIZE")
         if not ws:  # one process for a strategy without a process group, else what the launcher would start
-            from trainer.strategies import strategy_class
 
             cls = strategy_class(cfg.strategy.name)
-            ws = 1 if cls is not None and not cls.needs_process_group else \
+            ws = 1 if cls is not None and not cls.capabilities.needs_process_group else \
                 int(os.environ.get("NPROC_PER_NODE", 1)) * int(os.environ.get("NNODES", 1))
         ws = int(ws)
         device = float(plan["plan.device_memory"]) if "plan.device_memory" in plan else None

@@ -22,9 +22,14 @@ SPIKE_MIN_HISTORY = 5  # logged losses needed before a spike can be judged
 
 
 class DivergenceGuard:
-    def __init__(self, run):
-        self.run = run
-        self.spike_factor = run.cfg.train.loss_spike_factor
+    """`checkpointer`: the run's CheckpointManager (wait, pin_newest); `log`: one line to the run's log;
+    `spike_factor`: train.loss_spike_factor; `announce_skips`: name each step skipped for a non-finite gradient
+    (train.on_nonfinite=skip without a loss scaler, whose overflow skips are routine)."""
+
+    def __init__(self, checkpointer, log, spike_factor: float, announce_skips: bool = False):
+        self.checkpointer, self.log = checkpointer, log
+        self.spike_factor = spike_factor
+        self.announce_skips = announce_skips
         self.bad = None  # device flag: a step since the last check had a non-finite norm that was not skipped
         self.first_bad_step = None
         self.history = deque(maxlen=SPIKE_WINDOW)
@@ -32,8 +37,8 @@ class DivergenceGuard:
     def observe(self, step: int, grad_norm, skipped: bool) -> None:
         """After each optimizer step. A skipped step (fp16 overflow, or on_nonfinite=skip) is no divergence."""
         if skipped:
-            if self.run.strategy.skip_nonfinite and self.run.strategy.precision.scaler is None:
-                self.run.logger.info(f"step {step}: non-finite gradient norm; step skipped (train.on_nonfinite=skip)")
+            if self.announce_skips:
+                self.log(f"step {step}: non-finite gradient norm; step skipped (train.on_nonfinite=skip)")
             return
         flag = ~torch.isfinite(torch.as_tensor(grad_norm).detach())
         self.bad = flag if self.bad is None else self.bad | flag
@@ -64,9 +69,8 @@ class DivergenceGuard:
         self.bad = None
 
     def _stop(self, step: int, what: str) -> None:
-        run = self.run
-        run.checkpointer.wait()  # a save in flight holds finite weights: let it finish
-        kept = run.checkpointer.pin_newest(f"last finite checkpoint before divergence at step {step}")
+        self.checkpointer.wait()  # a save in flight holds finite weights: let it finish
+        kept = self.checkpointer.pin_newest(f"last finite checkpoint before divergence at step {step}")
         where = (f"the last finite checkpoint, {kept}, is kept (out of checkpoint.keep_last rotation); resume from "
                  f"it with checkpoint.resume={kept}" if kept else "no checkpoint was saved before it")
         hint = ("lower optim.lr, raise scheduler.warmup_steps or lower train.grad_clip; or set "

@@ -1,6 +1,6 @@
 """The run directory belongs to one run, and to one live job at a time.
 
-`claim(cfg, run_dir)` runs in `prepare`, before any process group exists, on every rank:
+`claim(run_dir, plan, overwrite)` runs in `prepare`, before any process group exists, on every rank:
 
 1. The lock. Global rank 0 takes `<run dir>/.lock` (an `fcntl.flock`, held until `release` or the end of the
    process; the kernel drops it when the process dies, so a lock left by a dead job never blocks) and writes a
@@ -75,23 +75,10 @@ def _step_of(name: str) -> int:
     return int(digits) if digits.isdigit() else -1
 
 
-def continues(cfg, run_dir: str) -> bool:
-    """Whether this launch continues the run of `run_dir` (resume=auto, or a checkpoint inside the folder)."""
-    spec = cfg.checkpoint.resume
-    if spec == "auto":
-        return True
-    if spec == "none" or cfg.checkpoint.load_weights_only:
-        return False
-    path = os.path.abspath(os.path.expanduser(spec))
-    run_dir = os.path.abspath(run_dir)
-    return path == run_dir or path.startswith(run_dir + os.sep)
-
-
-def refusal(cfg, run_dir: str, found: List[str]) -> str:
+def refusal(plan, run_dir: str, found: List[str]) -> str:
+    """Why a new run (`plan`: trainer/checkpoint/resume_plan.py) may not start in a folder holding `found`."""
     shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
-    what = f"checkpoint.resume={cfg.checkpoint.resume}"
-    if cfg.checkpoint.load_weights_only:
-        what += " with checkpoint.load_weights_only=true"
+    what = plan.describe()
     return (f"the run directory {run_dir} holds another run ({shown}); a new run ({what}) there would overwrite "
             f"its checkpoints and mix the two runs' logs. Continue that run with checkpoint.resume=auto, start this "
             f"one in another hydra.run.dir=<folder>, or set checkpoint.overwrite=true to move the old run's files "
@@ -234,20 +221,22 @@ def _look_from_other_rank(run_dir: str) -> None:
         time.sleep(0.05)
 
 
-def claim(cfg, run_dir: str) -> None:
-    """Lock the run directory (rank 0) and make sure this launch does not mix with another run in it."""
+def claim(run_dir: str, plan, overwrite: bool) -> None:
+    """Lock the run directory (rank 0) and make sure this launch does not mix with another run in it: `plan` (the
+    resume plan, trainer/checkpoint/resume_plan.py) says whether it continues the folder's run; `overwrite`
+    (checkpoint.overwrite) moves another run's files aside instead of refusing."""
     run_dir = os.path.abspath(run_dir)
     rank0 = parallel.env_rank() == 0
     if not rank0:
         _look_from_other_rank(run_dir)  # first: a refused rank 0 (the same refusal) never publishes a body
-        _check_contents(cfg, run_dir, move=False)
+        _check_contents(plan, overwrite, run_dir, move=False)
         return
     if run_dir in _HELD:  # this process holds it already (an in-process caller preparing again)
-        _check_contents(cfg, run_dir, move=True)
+        _check_contents(plan, overwrite, run_dir, move=True)
         return
     fd = _acquire(run_dir)
     try:
-        _check_contents(cfg, run_dir, move=True)
+        _check_contents(plan, overwrite, run_dir, move=True)
         if fd >= 0:
             _publish(fd)
     except BaseException:
@@ -258,12 +247,12 @@ def claim(cfg, run_dir: str) -> None:
         _HELD[run_dir] = fd
 
 
-def _check_contents(cfg, run_dir: str, move: bool) -> None:
+def _check_contents(plan, overwrite: bool, run_dir: str, move: bool) -> None:
     found = leftovers(run_dir) if os.path.isdir(run_dir) else []
-    if not found or continues(cfg, run_dir):
+    if not found or plan.continues_run:
         return
-    if not cfg.checkpoint.overwrite:
-        raise RunDirError(refusal(cfg, run_dir, found))
+    if not overwrite:
+        raise RunDirError(refusal(plan, run_dir, found))
     if move:
         dest = move_aside(run_dir)
         print(f"checkpoint.overwrite=true: moved the earlier run's files ({', '.join(found[:4])}"

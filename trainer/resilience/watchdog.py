@@ -36,6 +36,8 @@ import time
 from contextlib import contextmanager
 from typing import Dict, List, Optional
 
+from tessera.errors import EXIT_FAULT
+
 FOLDER = ".heartbeat"
 SLOW_STEP_FACTOR = 3.0
 SILENT_PEER_FACTOR = 1.5  # x train.collective_timeout_s: a collective involving the peer times out first
@@ -180,8 +182,6 @@ class Watchdog:
                 self._fire_silent(silent)
 
     def _fire(self) -> None:
-        from tessera.errors import EXIT_FAULT
-
         waited = time.monotonic() - self._marked
         print(f"[rank {self.rank}] error: no progress for {waited:.0f} s after step {self.step} (limit "
               f"{self.limit_s():.0f} s from train.collective_timeout_s={self.timeout_s:g} and the slowest step); "
@@ -204,8 +204,6 @@ class Watchdog:
                 if beat.get("phase") != ENDED and now - since > self.peer_limit_s()]
 
     def _fire_silent(self, silent: List[dict]) -> None:
-        from tessera.errors import EXIT_FAULT
-
         self._exempt += 1  # reporting now: the progress check does not fire as well
         names = ", ".join(_describe(b) for b in silent)
         print(f"[rank {self.rank}] error: {names} has not answered for more than {self.peer_limit_s():.0f} s "

@@ -18,12 +18,17 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from models.weights import is_checkpoint
 from models import lora, registry
 from models.init import initial_weights
 from trainer.checkpoint import manager as ckpt
+from trainer.checkpoint import resume_plan, resume_policy
+from trainer.checkpoint.resume_plan import ResumePlan
+from trainer.config import compat
 from trainer.config import schema as C
 from trainer.observe import comm_bytes
 from trainer.parallel import dims as parallel
+from trainer.parallel import replica_groups
 from trainer.launch import restarts
 from trainer.resilience import rundir
 from trainer.resilience import watchdog
@@ -31,8 +36,10 @@ from trainer.data.datasets import DataSplits, build_data
 from trainer.data.sampler import GlobalBatchSampler
 from tessera.errors import ConfigError, ModelError, TesseraError
 from trainer.observe.metrics import MetricsLogger
+from trainer.observe.model_states import built_parameter_bytes
 from trainer.run.optim import build_optimizer, build_scheduler
 from trainer.run.precision import Precision
+from trainer.run.state import DataPosition, RandomState, TrainState
 from trainer.resilience.preemption import StopRequest
 from trainer.exporting.snapshots import Snapshots
 from trainer.strategies import STRATEGIES, strategy_class
@@ -53,8 +60,7 @@ class Prepared:
     tokenizer: object
     model_info: registry.ModelInfo
     data: Optional[DataSplits] = None
-    resume_path: Optional[str] = None
-    resume_fallbacks: list = field(default_factory=list)
+    resume: Optional[ResumePlan] = None  # checkpoint.resume, resolved once (trainer/checkpoint/resume_plan.py)
     model_shapes: Optional[dict] = None
     peft: Optional[dict] = None  # the adapters' summary (peft=lora), which a checkpoint records
 
@@ -67,7 +73,7 @@ def check(cfg: C.TesseraConfig, world_size: int):
     if cls is None:
         problems.append(f"strategy.name={cfg.strategy.name!r} is unknown; known: {', '.join(STRATEGIES)}")
     else:
-        problems += cls.config_problems(cfg, world_size)
+        problems += compat.strategy_problems(cls, cfg, world_size)
     dim_problems = parallel.ParallelDims.problems(cfg.strategy, world_size)
     if dim_problems:
         problems += dim_problems
@@ -97,73 +103,36 @@ def prepare(cfg: C.TesseraConfig, run_dir: str) -> Prepared:
 
     transformers.utils.logging.disable_progress_bar()  # our own progress output only
     world_size = parallel.env_world_size()
-    cls = strategy_class(cfg.strategy.name)
-    if cls is not None:
-        run_dir = cls.run_dir_for(cfg, run_dir)  # torchft replica groups: a folder per group
-    restarts.continue_run(cfg, run_dir, log0)  # a restarted launch continues its run (trainer/launch/restarts.py)
+    run_dir = replica_groups.group_run_dir(cfg, run_dir)  # torchft replica groups: a folder per group
+    # checkpoint.resume, read once (a restarted launch continues its run): trainer/checkpoint/resume_plan.py
+    plan = resume_plan.intend(cfg, run_dir, restarts.restart_count(), log0)
     dims, cls, tokenizer, info = check(cfg, world_size)
-    cls.preflight(cfg)  # what the strategy reaches outside this job (a torchft lighthouse), before any group starts
+    compat.preflight(cfg)  # what the run reaches outside this job (a torchft lighthouse), before any group starts
     from trainer.run.cli import writable_problems  # read-only run / cache folders: one message naming the key
 
     unwritable = writable_problems(cfg, run_dir)
     if unwritable:
         raise ConfigError(unwritable)
-    rundir.claim(cfg, run_dir)  # one live job, one run per folder (trainer/resilience/rundir.py)
-    prepared = Prepared(cfg, run_dir, world_size, dims, cls, tokenizer, info)
+    rundir.claim(run_dir, plan, cfg.checkpoint.overwrite)  # one live job, one run per folder
+    prepared = Prepared(cfg, run_dir, world_size, dims, cls, tokenizer, info, resume=plan)
     prepared.data = build_data(cfg, tokenizer, info.vocab_size, log=log0)
     prepared.data.sampler(cfg.train.global_batch_size, cfg.train.seed)  # size check
     model = lora.meta_adapted(info.hf_config, cfg.peft)
     prepared.model_shapes = {k: list(v.shape) for k, v in model.state_dict().items()}
     prepared.peft = lora.Adapters(model).summary() if cfg.peft.name != "none" else None
-    prepared.resume_path = _check_resume(cfg, run_dir, prepared)
+    prepared.resume = resume_plan.choose(plan, run_dir, lambda path, meta: _resume_problems(prepared, path, meta),
+                                         cfg.train.max_steps, log0)
     return prepared
 
 
-def _check_resume(cfg, run_dir: str, p: Prepared) -> Optional[str]:
-    """The checkpoint to resume from, checked against this run before any process group starts. With
-    resume=auto, older complete checkpoints of the run are kept as fallbacks (`p.resume_fallbacks`) in case the
-    chosen one fails its checksums (checked by all ranks together once the process group exists)."""
-    from trainer.checkpoint import resume_policy
-
-    root = os.path.join(run_dir, "checkpoints")
-    auto = cfg.checkpoint.resume == "auto"
-    if auto:
-        for partial in ckpt.partial_checkpoints(root):
-            log0(f"ignoring incomplete checkpoint {partial} (its save did not finish)")
-        candidates = [path for _, path in reversed(ckpt.complete_checkpoints(root))]
-    else:
-        path = ckpt.resolve(cfg.checkpoint.resume, run_dir)
-        candidates = [path] if path else []
-    if not candidates:
-        if auto:
-            log0("checkpoint.resume=auto: no complete checkpoint in the run directory; starting at step 0")
-        return None
-    usable = []
-    for path in candidates:
-        try:
-            meta = ckpt.read_meta(path)
-            ckpt.verify_files(path, meta)
-        except ckpt.CheckpointError as e:
-            if not auto:
-                raise
-            log0(f"skipping checkpoint {path}: {e}")
-            continue
-        problems = ckpt.compatibility_problems(meta, cfg, p.model_shapes, p.data.fingerprint,
-                                               cfg.checkpoint.load_weights_only, p.strategy_cls.checkpoint_format,
-                                               p.dims.dp_size, peft=p.peft)
-        if not cfg.checkpoint.load_weights_only:
-            problems += resume_policy.refusals(path, cfg, p.model_info.hf_config)
-        if problems:
-            raise ckpt.CheckpointError(f"cannot resume from {path}:\n" + "\n".join(f"  - {x}" for x in problems))
-        if not usable and meta["step"] >= cfg.train.max_steps and not cfg.checkpoint.load_weights_only:
-            raise ckpt.CheckpointError(f"{path} is at step {meta['step']}, which already reaches "
-                                       f"train.max_steps={cfg.train.max_steps}; raise train.max_steps to train on")
-        usable.append(path)
-    if not usable:
-        raise ckpt.CheckpointError(f"checkpoint.resume=auto: every checkpoint in {root} is damaged (see above); "
-                                   f"start over with checkpoint.resume=none and checkpoint.overwrite=true")
-    p.resume_fallbacks = usable[1:]
-    return usable[0]
+def _resume_problems(p: Prepared, path: str, meta: dict) -> list:
+    """What makes checkpoint `path` (its meta.json: `meta`) unusable for this run, each naming its key."""
+    cfg, weights_only = p.cfg, p.resume.weights_only
+    problems = ckpt.compatibility_problems(meta, cfg, p.model_shapes, p.data.fingerprint, weights_only,
+                                           p.strategy_cls.capabilities.checkpoint_format, p.dims.dp_size, peft=p.peft)
+    if not weights_only:
+        problems += resume_policy.refusals(path, cfg, p.model_info.hf_config)
+    return problems
 
 
 def seed_everything(seed: int, rank: int) -> None:
@@ -172,79 +141,127 @@ def seed_everything(seed: int, rank: int) -> None:
     torch.manual_seed(seed + rank)
 
 
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the run knows of its built model, fixed for the run's life (logs, memory.json, checkpoints)."""
+
+    info: registry.ModelInfo
+    num_params: int
+    shapes: dict
+    desc: str
+    built_param_bytes: int = 0  # logging.memory_report only: parameter bytes this rank held right after building
+
+
 @dataclass
 class Run:
-    """A built run: what the loop needs."""
+    """A built run: the config, the train state (`state`: what a checkpoint restores about progress) and the
+    services the loop uses. The loop hands each consumer the parts it uses (the divergence guard: the
+    checkpointer and the log; the sampler: the stop request, watchdog, log and step; the memory report: the
+    strategy and the model's facts), never the whole run."""
 
     cfg: C.TesseraConfig
     run_dir: str
+    state: TrainState
     strategy: object
     data: DataSplits
     sampler: GlobalBatchSampler  # or data.mixture.MixtureSampler: the same interface
     scheduler: object
     tokenizer: object
-    model_info: registry.ModelInfo
+    model_facts: ModelFacts
     logger: MetricsLogger
     device: torch.device
-    grad_accum: int
-    num_params: int
-    model_shapes: dict = field(default_factory=dict)
-    model_desc: str = ""
-    built_param_bytes: int = 0
-    progress: ckpt.TrainingProgress = field(default_factory=ckpt.TrainingProgress)  # what a checkpoint restores
+    resume: ResumePlan
     checkpointer: Optional[ckpt.CheckpointManager] = None
     stop: Optional[StopRequest] = None
     stopped_by: str = ""
+    # torchft replica groups around the loop (trainer/parallel/replica_groups.py), or their null object
+    ft: object = field(default_factory=replica_groups.NoFaultTolerance)
     watchdog: object = field(default_factory=watchdog.Unwatched)  # trainer/resilience/watchdog.py: progress, heartbeats
     # export.snapshot_every (trainer/exporting/snapshots.py); off unless build() sets it from the config
     snapshots: Snapshots = field(default_factory=lambda: Snapshots("", 0, 2, writes=False))
 
-    # The loop's counters live in `progress` (the checkpoint manager's collaborator); the run reads as before.
-    step = property(lambda self: self.progress.step, lambda self, v: setattr(self.progress, "step", v))
-    tokens_seen = property(lambda self: self.progress.tokens_seen,
-                           lambda self, v: setattr(self.progress, "tokens_seen", v))
-    skipped_steps = property(lambda self: self.progress.skipped_steps,
-                             lambda self, v: setattr(self.progress, "skipped_steps", v))
+    step = property(lambda self: self.state.step)  # optimizer steps done (the loop advances `state`)
+    # the model's facts under the names callers used before (read-only)
+    model_info = property(lambda self: self.model_facts.info)
+    num_params = property(lambda self: self.model_facts.num_params)
+    model_shapes = property(lambda self: self.model_facts.shapes)
+    built_param_bytes = property(lambda self: self.model_facts.built_param_bytes)
 
 
 def build(p: Prepared) -> Run:
+    """The composition root, in stages: processes, model, logs, services, resume."""
+    cfg = p.cfg
+    device, rank, watch = _start_processes(p)
+    strategy, facts, scheduler = _build_model(p, device, rank)
+    logger = _open_logs(p, strategy, facts, device, rank)
+    sampler = p.data.sampler(cfg.train.global_batch_size, cfg.train.seed)
+    if p.data.tasks:
+        strategy.track_tasks(len(p.data.tasks))
+    run = Run(cfg, p.run_dir, TrainState(), strategy, p.data, sampler, scheduler, p.tokenizer, facts, logger,
+              device, p.resume, watchdog=watch, ft=replica_groups.fault_tolerance(cfg, strategy))
+    run.checkpointer = _checkpointer(p, run)
+    _resume(run)
+    run.stop = StopRequest()
+    # data.follow waits for records with the run's stop request
+    sampler.bind(run.stop, run.watchdog, logger.info, p.run_dir, run.step)
+    run.snapshots = Snapshots(p.run_dir, cfg.export.snapshot_every, cfg.export.snapshot_keep, writes=rank == 0)
+    return run
+
+
+def _start_processes(p: Prepared):
+    """The device, the process group (with the run directory every rank agrees on) and the watchdog ->
+    (device, rank, watchdog)."""
     cfg = p.cfg
     device = parallel.select_device(cfg.train.device)
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # Processes of one node share its cores; oversubscribed threads slow every rank down.
         local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local, 1)))
-    comm_bytes.install()  # before any process group or engine: they keep references to the collectives
-    if p.strategy_cls.needs_process_group:
+    # logging.comm_bytes: before any process group or engine (they keep references to the collectives)
+    comm_bytes.configure(cfg.logging.comm_bytes)
+    if p.strategy_cls.capabilities.needs_process_group:
         parallel.init_process_group(device, cfg.train.collective_timeout_s)
         _check_run_dir_agreement(p.run_dir)
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     watch = watchdog.start(p.run_dir, rank, world, cfg.train.collective_timeout_s)  # names a stalled rank
+    return device, rank, watch
+
+
+def _build_model(p: Prepared, device, rank: int):
+    """The strategy, the model built from the seed (LoRA adapters injected) and parallelized by the strategy, its
+    optimizer and schedule -> (strategy, ModelFacts, scheduler)."""
+    cfg = p.cfg
     precision = Precision(cfg, device)
     strategy = p.strategy_cls(cfg, p.dims, device, precision)
-    strategy.run_dir = p.run_dir
     pretrained = registry.get_spec(cfg.model.kind).pretrained
     with strategy.model_construction(pretrained=pretrained):
-        model = registry.build(cfg.model, p.model_info, load_weights=not strategy.loads_pretrained_weights,
+        model = registry.build(cfg.model, p.model_info, load_weights=not strategy.caps.loads_pretrained_weights,
                                quantization=cfg.peft.quantization, quantize_on=device)
     # LoRA goes in before any parallelism: every strategy then wraps the adapted model as it would the model
     adapters = lora.inject(model, cfg.peft, cfg.model.name_or_path) if cfg.peft.name != "none" else None
-    strategy.adapters = adapters
+    strategy.use_adapters(adapters)
     num_params = registry.count_parameters(model)
     # memory.json only: ZeRO-3 / FSDP hold their part only
-    built_param_bytes = strategy.built_parameter_bytes(model) if cfg.logging.memory_report else 0
+    built_param_bytes = built_parameter_bytes(model) if cfg.logging.memory_report else 0
     seed_everything(cfg.train.seed, rank)
     if not pretrained:
         initial = initial_weights(p.model_info.hf_config, cfg.train.seed)
     else:
-        initial = registry.pretrained_weights(cfg.model, model) if strategy.loads_pretrained_weights else None
+        initial = registry.pretrained_weights(cfg.model, model) if strategy.caps.loads_pretrained_weights else None
     if adapters is not None:  # the base's tensors under the adapted names, then the adapters' initial values
         values = adapters.initial_values(cfg.train.seed, cfg.peft.adapter)
-        initial = adapters.pretrained(initial, values) if hasattr(initial, "read") else \
+        initial = adapters.pretrained(initial, values) if is_checkpoint(initial) else \
             adapters.initial_units(initial, values)
     strategy.setup(model, lambda named: build_optimizer(cfg, named), initial)
     scheduler = build_scheduler(cfg, strategy.optimizer)
+    desc = f"{cfg.model.kind}:{cfg.model.name_or_path or 'preset'} {num_params / 1e6:.2f}M params"
+    return strategy, ModelFacts(p.model_info, num_params, p.model_shapes, desc, built_param_bytes), scheduler
+
+
+def _open_logs(p: Prepared, strategy, facts: ModelFacts, device, rank: int) -> MetricsLogger:
+    """config.yaml (rank 0), the metrics logger, and the run's description in its first lines."""
+    cfg = p.cfg
     is0 = rank == 0
     if is0:
         os.makedirs(p.run_dir, exist_ok=True)
@@ -252,46 +269,51 @@ def build(p: Prepared) -> Run:
     logger = MetricsLogger(p.run_dir, is0, cfg.train.max_steps, 0, cfg.logging.progress, cfg.logging.tensorboard)
     accum = C.grad_accumulation_steps(cfg, p.dims.dp_size)
     logger.info(f"run dir {p.run_dir}")
-    logger.info(f"model {cfg.model.kind} {cfg.model.name_or_path or ''} {num_params / 1e6:.2f}M params | "
+    logger.info(f"model {cfg.model.kind} {cfg.model.name_or_path or ''} {facts.num_params / 1e6:.2f}M params | "
                 f"strategy {cfg.strategy.name} world {p.world_size} (dp {p.dims.dp_size}) | device {device} | "
                 f"precision {cfg.precision.name}")
+    adapters = strategy.adapters
     if adapters is not None:
         logger.info(adapters.describe() + (f", from {cfg.peft.adapter}" if cfg.peft.adapter else "")
                     + (", base in 4 bits (nf4)" if cfg.peft.quantization == "nf4" else ""))
     logger.info(f"{p.data.description}")
     logger.info(f"global batch {cfg.train.global_batch_size} = micro {cfg.train.micro_batch_size} x accumulation "
                 f"{accum} x dp {p.dims.dp_size}; {cfg.train.max_steps} steps")
-    sampler = p.data.sampler(cfg.train.global_batch_size, cfg.train.seed)
-    if p.data.tasks:
-        strategy.track_tasks(len(p.data.tasks))
-    desc = f"{cfg.model.kind}:{cfg.model.name_or_path or 'preset'} {num_params / 1e6:.2f}M params"
-    run = Run(cfg, p.run_dir, strategy, p.data, sampler, scheduler, p.tokenizer, p.model_info, logger, device,
-              accum, num_params, model_shapes=p.model_shapes, model_desc=desc, built_param_bytes=built_param_bytes,
-              watchdog=watch)
-    identity = ckpt.RunIdentity(cfg, p.data.fingerprint, p.model_shapes, desc, p.tokenizer, p.peft)
-    # A replica group that recovers from a live one (torchft) copies the schedule and the counters with the weights,
-    # once the live group's identity shows that it trains the same run (the checks of a resume).
-    strategy.share_state("identity", lambda: ckpt.identity_meta(identity, strategy),
-                         lambda meta: ckpt.check_peer_identity(meta, identity, strategy))
-    strategy.share_state("progress", run.progress.state_dict, run.progress.load_state_dict)
-    strategy.share_state("scheduler", scheduler.state_dict, scheduler.load_state_dict)
-    run.checkpointer = ckpt.CheckpointManager(p.run_dir, strategy, scheduler, sampler, run.progress, identity, logger)
-    if p.resume_path:
-        from trainer.checkpoint import resume_policy
+    return logger
 
-        path = run.checkpointer.first_intact([p.resume_path] + p.resume_fallbacks,
-                                             fall_back=cfg.checkpoint.resume == "auto")
-        run.checkpointer.load(path, weights_only=cfg.checkpoint.load_weights_only)
-        if not cfg.checkpoint.load_weights_only:
-            for line in resume_policy.apply(run, path):
+
+def train_states(run: Run) -> dict:
+    """The run's train states (name -> Stateful) that a checkpoint saves and restores, in meta.json's order: the
+    counters, the data position, the schedule, the loss scaler, this rank's random generators."""
+    return {"progress": run.state, "loader": DataPosition(run.sampler, run.state), "scheduler": run.scheduler,
+            "precision": run.strategy.precision, "rng": RandomState()}
+
+
+def _checkpointer(p: Prepared, run: Run) -> ckpt.CheckpointManager:
+    """The checkpoint manager over the run's train states; a replica group that recovers from a live one
+    (torchft) copies the schedule and the counters with the weights, once the live group's identity shows that
+    it trains the same run (the checks of a resume)."""
+    strategy = run.strategy
+    identity = ckpt.RunIdentity(p.cfg, p.data.fingerprint, p.model_shapes, run.model_facts.desc, p.tokenizer, p.peft)
+    run.ft.share_state("identity", lambda: ckpt.identity_meta(identity, strategy),
+                       lambda meta: ckpt.check_peer_identity(meta, identity, strategy))
+    run.ft.share_state("progress", run.state.state_dict, run.state.load_state_dict)
+    run.ft.share_state("scheduler", run.scheduler.state_dict, run.scheduler.load_state_dict)
+    return ckpt.CheckpointManager(p.run_dir, strategy, train_states(run), identity, run.logger)
+
+
+def _resume(run: Run) -> None:
+    """Carry out the resume plan: load its checkpoint, apply this run's optimizer values and schedule to it, and
+    cut the logs back to the resumed step."""
+    plan, logger = run.resume, run.logger
+    path = run.checkpointer.resume(plan)
+    if path is not None:
+        if plan.full:
+            for line in resume_policy.apply(path, run.cfg, run.strategy.optimizer, run.scheduler, run.step):
                 logger.info(f"resume: {line}")
         logger.start_step = run.step
-    if cfg.checkpoint.resume != "none":
+    if plan.appends_logs:
         logger.resume(run.step)  # drop what a killed attempt logged after the checkpoint
-    run.stop = StopRequest()
-    sampler.bind(run)  # data.follow waits for records with the run's stop request
-    run.snapshots = Snapshots(p.run_dir, cfg.export.snapshot_every, cfg.export.snapshot_keep, writes=is0)
-    return run
 
 
 def _check_run_dir_agreement(run_dir: str) -> None:
@@ -313,6 +335,7 @@ def close(run: Optional[Run], graceful: bool = True) -> None:
             run.checkpointer.close()
         run.logger.close()
         run.watchdog.close(ended=graceful)  # peers still finishing do not take this rank's silence for a fault
+        run.ft.close()
         run.strategy.close()
         run.scheduler = run.checkpointer = None  # the checkpointer holds the scheduler too
     gc.collect()

@@ -13,7 +13,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from trainer.config.compose import compose, register_resolvers  # noqa: F401 - main.py imports it here
+from trainer.config.compose import compose
 from tessera.errors import EXIT_BAD_INPUT, EXIT_FAULT, TesseraError, one_line
 
 
@@ -64,6 +64,7 @@ def unwritable(folder: str):
 
 def writable_problems(cfg, run_dir: str) -> list:
     """Folders the run writes, checked up front (prepare): one problem per folder, naming the key to change."""
+    # here, not at the top: main.py imports this module first, before anything heavy (numpy via the store)
     from trainer.data.store import default_cache_dir
 
     problems = []

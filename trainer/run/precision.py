@@ -6,7 +6,18 @@ from contextlib import nullcontext
 
 import torch
 
-DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# The one map from a precision name (precision=, strategy.param_dtype / reduce_dtype, export.dtype) to its dtype.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast_dtype(name: str):
+    """The dtype autocast computes in under precision=`name`; None for fp32 (no autocast)."""
+    return None if name == "fp32" else DTYPES[name]
+
+
+def element_bytes(name: str) -> int:
+    """Bytes per element of precision `name`'s dtype."""
+    return DTYPES[name].itemsize
 
 
 class Precision:
@@ -14,7 +25,7 @@ class Precision:
         p = cfg.precision
         self.name = p.name
         self.device_type = device.type
-        self.autocast_dtype = DTYPES[p.name]
+        self.autocast_dtype = autocast_dtype(p.name)
         self.scaler = None
         if p.name == "fp16":
             self.scaler = torch.amp.GradScaler(device.type, init_scale=p.init_scale, growth_factor=p.growth_factor,
@@ -36,6 +47,11 @@ class Precision:
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale(loss) if self.scaler is not None else loss
+
+    def unscale_value(self, loss: torch.Tensor) -> torch.Tensor:
+        """A loss value that went through scale(), back in its own units (fp16's scale is a power of two by
+        default, so this is exact)."""
+        return loss / self.scaler.get_scale() if self.scaler is not None else loss
 
     def unscale_(self, optimizer) -> None:
         if self.scaler is not None:

@@ -23,8 +23,9 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from trainer.strategies.capabilities import Capabilities
 from trainer.strategies.base import Strategy
-from trainer.parallel.sync import PeriodicSync, sync_state_bytes
+from trainer.parallel.sync import PeriodicSync
 
 COMM_HOOKS = ("none", "bf16", "fp16", "powersgd")
 
@@ -130,11 +131,8 @@ class PowerSGD:
 
 class DDPStrategy(Strategy):
     name = "ddp"
-    degrees = frozenset({"dp_replicate"})
-    fault_tolerance = frozenset({"torchft"})
-    comm_hooks = frozenset(COMM_HOOKS)
-    periodic_sync = True
-    holds_whole_model = True
+    capabilities = Capabilities(degrees=frozenset({"dp_replicate"}), fault_tolerance=frozenset({"torchft"}),
+                                comm_hooks=frozenset(COMM_HOOKS), periodic_sync=True, holds_whole_model=True)
 
     def setup(self, model, build_optimizer, initial_weights=None):
         self.prepare_blocks(model)
@@ -165,19 +163,7 @@ class DDPStrategy(Strategy):
             self._register_comm_hook(model)
             self.model = self.ddp
         self.optimizer = build_optimizer(model.named_parameters())
-        self.attach_replica_groups()
         return self.model, self.optimizer
-
-    @classmethod
-    def estimate_model_states(cls, est, cfg, dims, counts, rank_params: float) -> None:
-        """A replica per rank (the default), plus what sync= keeps beside it: DiLoCo's (or an overlapped round's)
-        fp32 anchor, DiLoCo's outer momentum, an overlapped round's sent weights."""
-        super().estimate_model_states(est, cfg, dims, counts, rank_params)
-        master, optimizer = sync_state_bytes(cfg, counts.total)
-        if master:
-            est.master_params += master
-            est.optimizer += optimizer
-            est.notes.append(f"sync={cfg.sync.name}: the fp32 anchor and outer state beside each worker's replica")
 
     def _register_comm_hook(self, model) -> None:
         s, group = self.cfg.strategy, self.dp_group()

@@ -12,18 +12,32 @@ then exactly the global batch's gradient.
 """
 from __future__ import annotations
 
+import argparse
+import contextlib
+import io
 import json
 import math
 import os
+import shutil
+from dataclasses import replace
+from importlib.metadata import version
+from types import SimpleNamespace
 from typing import List
 
 import torch
 import torch.distributed as dist
 
-from tessera.errors import ConfigError, one_line
+from models.init import named_tensors
+from tessera.errors import CheckpointError, ConfigError, one_line
+from trainer.checkpoint.safe_load import checked_deepspeed_folder
+from trainer.checkpoint.saved import SavedCheckpoint
 from trainer.config.schema import ZERO_PLUS_PLUS_OFF
+from trainer.data.store import file_lock
 from trainer.launch import ds_ops
-from trainer.strategies.base import StateBytes, Strategy, to_device, token_loss_sum
+from trainer.run.loss import to_device, token_loss_sum
+from trainer.run.precision import Precision
+from trainer.strategies.base import Strategy
+from trainer.strategies.capabilities import Capabilities
 
 STAGES = {"zero1": 1, "zero2": 2, "zero3": 3, "zero3_offload": 3}
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
@@ -47,94 +61,120 @@ def _is_auto(v) -> bool:
     return isinstance(v, str) and v == "auto"
 
 
-def build_ds_config(cfg, dp_size: int) -> tuple:
-    """(DeepSpeed config dict, problems). Hydra's values win where the user's JSON says "auto" or is silent;
-    a contradiction is a problem naming both keys."""
-    s, t = cfg.strategy, cfg.train
-    problems: List[str] = []
-    accum = t.global_batch_size // max(1, t.micro_batch_size * dp_size)
-    stage = s.zero_stage
-    offload_opt = s.offload_optimizer
-    offload_param = s.offload_param
-    user = _read_user_json(s.deepspeed_config) if s.deepspeed_config else {}
-    src = f"strategy.deepspeed_config ({os.path.basename(s.deepspeed_config)})" if s.deepspeed_config else ""
+class _UserJson:
+    """The user's DeepSpeed JSON (strategy.deepspeed_config, or none) read against Hydra's values: the problems
+    found, each naming the JSON key and the Hydra key it contradicts."""
 
-    def take(key_path: str, ours, hydra_key: str, equal=None):
-        """The user's value at key_path (dotted) if explicit and consistent, else ours."""
-        node = user
+    def __init__(self, path: str):
+        self.data = _read_user_json(path) if path else {}
+        self.src = f"strategy.deepspeed_config ({os.path.basename(path)})" if path else ""
+        self.problems: List[str] = []
+
+    def take(self, key_path: str, ours, hydra_key: str, equal=None):
+        """Ours, after checking that the user's explicit value at key_path (dotted), if any, agrees with it."""
+        node = self.data
         parts = key_path.split(".")
         for p in parts[:-1]:
             node = node.get(p, {}) if isinstance(node, dict) else {}
         if not isinstance(node, dict) or parts[-1] not in node or _is_auto(node[parts[-1]]):
             return ours
         theirs = node[parts[-1]]
-        same = equal(theirs, ours) if equal else theirs == ours
-        if not same:
-            problems.append(f"{src}: {key_path}={theirs!r} contradicts {hydra_key}={ours!r}; change one of them "
-                            f"(or write \"auto\" in the JSON)")
+        if not (equal(theirs, ours) if equal else theirs == ours):
+            self.problems.append(f"{self.src}: {key_path}={theirs!r} contradicts {hydra_key}={ours!r}; change one of "
+                                 f"them (or write \"auto\" in the JSON)")
         return ours
 
-    take("train_batch_size", t.global_batch_size, "train.global_batch_size")
-    take("train_micro_batch_size_per_gpu", t.micro_batch_size, "train.micro_batch_size")
-    take("gradient_accumulation_steps", accum,
-         "the accumulation derived from train.global_batch_size / (micro batch x data-parallel degree)")
-    take("gradient_clipping", t.grad_clip, "train.grad_clip", equal=lambda a, b: float(a) == float(b))
-    precision = cfg.precision.name
+    def section(self, name: str) -> dict:
+        value = self.data.get(name, {})
+        return value if isinstance(value, dict) else {}
+
+
+def build_ds_config(cfg, dp_size: int) -> tuple:
+    """(DeepSpeed config dict, problems). Hydra's values win where the user's JSON says "auto" or is silent;
+    a contradiction is a problem naming both keys."""
+    t = cfg.train
+    user = _UserJson(cfg.strategy.deepspeed_config)
+    accum = t.global_batch_size // max(1, t.micro_batch_size * dp_size)
+    _check_batch_and_precision(user, cfg, accum)
+    _check_json_types(user)
+    zero_user = _user_zero_section(user, cfg)
+    offload = _offload_devices(cfg.strategy, zero_user)
+    zero = _zero_section(user, cfg, zero_user, offload)
+    _check_optimizer_params(user, cfg)
+    ds = _ds_dict(user, cfg, accum, zero)
+    if user.data and "zero_optimization" in user.data:
+        user.problems += _zero_section_problems(zero, user.src)
+    return ds, user.problems
+
+
+def _check_batch_and_precision(user: _UserJson, cfg, accum: int) -> None:
+    t, precision = cfg.train, cfg.precision.name
+    user.take("train_batch_size", t.global_batch_size, "train.global_batch_size")
+    user.take("train_micro_batch_size_per_gpu", t.micro_batch_size, "train.micro_batch_size")
+    user.take("gradient_accumulation_steps", accum,
+              "the accumulation derived from train.global_batch_size / (micro batch x data-parallel degree)")
+    user.take("gradient_clipping", t.grad_clip, "train.grad_clip", equal=lambda a, b: float(a) == float(b))
     for name in ("fp16", "bf16"):
-        take(f"{name}.enabled", precision == name, f"precision={precision} ({name}.enabled)",
-             equal=lambda a, b: bool(a) == b)
-    # Wrong JSON types are problems naming the JSON key (DeepSpeed itself would fail later with a traceback).
+        user.take(f"{name}.enabled", precision == name, f"precision={precision} ({name}.enabled)",
+                  equal=lambda a, b: bool(a) == b)
+
+
+def _check_json_types(user: _UserJson) -> None:
+    """Wrong JSON types are problems naming the JSON key (DeepSpeed itself would fail later with a traceback);
+    a section that is not an object is left out."""
     for section in ("zero_optimization", "amp", "fp16", "bf16", "optimizer", "scheduler"):
-        if section in user and not isinstance(user[section], dict):
-            problems.append(f"{src}: {section}={user[section]!r} must be a JSON object ({{...}})")
-            user = {k: v for k, v in user.items() if k != section}
-    if isinstance(user.get("optimizer"), dict) and not isinstance(user["optimizer"].get("params", {}), dict):
-        problems.append(f"{src}: optimizer.params={user['optimizer']['params']!r} must be a JSON object ({{...}})")
-    amp_on = user.get("amp", {}).get("enabled")
+        if section in user.data and not isinstance(user.data[section], dict):
+            user.problems.append(f"{user.src}: {section}={user.data[section]!r} must be a JSON object ({{...}})")
+            user.data = {k: v for k, v in user.data.items() if k != section}
+    optimizer = user.data.get("optimizer")
+    if isinstance(optimizer, dict) and not isinstance(optimizer.get("params", {}), dict):
+        user.problems.append(f"{user.src}: optimizer.params={optimizer['params']!r} must be a JSON object ({{...}})")
+    amp_on = user.data.get("amp", {}).get("enabled")
     if amp_on and not _is_auto(amp_on):
-        problems.append(f"{src}: amp.enabled is not supported; use precision=bf16 or precision=fp16")
-    zero_user = dict(user.get("zero_optimization", {}))
-    if "stage" in zero_user and not _is_auto(zero_user["stage"]):
-        theirs = zero_user["stage"]
+        user.problems.append(f"{user.src}: amp.enabled is not supported; use precision=bf16 or precision=fp16")
+
+
+def _user_zero_section(user: _UserJson, cfg) -> dict:
+    """The JSON's zero_optimization: its stage checked against the strategy's, legacy offload spellings read,
+    offload entries that are not objects left out."""
+    s, src = cfg.strategy, user.src
+    zero_user = dict(user.data.get("zero_optimization", {}))
+    theirs = zero_user.get("stage", "auto")
+    if not _is_auto(theirs):
         if isinstance(theirs, bool) or not isinstance(theirs, int) or theirs not in (0, 1, 2, 3):
-            problems.append(f"{src}: zero_optimization.stage={theirs!r} must be one of 0, 1, 2, 3 (a number, or "
-                            f"\"auto\"); strategy={s.name} uses stage {stage}")
-        elif theirs != stage:
-            problems.append(f"{src}: zero_optimization.stage={theirs} contradicts strategy={s.name} "
-                            f"(stage {stage}); pick the strategy that matches the JSON")
+            user.problems.append(f"{src}: zero_optimization.stage={theirs!r} must be one of 0, 1, 2, 3 (a number, or "
+                                 f"\"auto\"); strategy={s.name} uses stage {s.zero_stage}")
+        elif theirs != s.zero_stage:
+            user.problems.append(f"{src}: zero_optimization.stage={theirs} contradicts strategy={s.name} "
+                                 f"(stage {s.zero_stage}); pick the strategy that matches the JSON")
     for legacy, key in (("cpu_offload", "offload_optimizer"), ("cpu_offload_params", "offload_param")):
         if zero_user.get(legacy) is True and key not in zero_user:  # legacy spellings DeepSpeed still reads
             zero_user[key] = {"device": "cpu"}
         zero_user.pop(legacy, None)
     for key in ("offload_optimizer", "offload_param"):
         if key in zero_user and not isinstance(zero_user[key], dict):
-            problems.append(f"{src}: zero_optimization.{key}={zero_user[key]!r} must be a JSON object such as "
-                            f"{{\"device\": \"cpu\"}}")
+            user.problems.append(f"{src}: zero_optimization.{key}={zero_user[key]!r} must be a JSON object such as "
+                                 f"{{\"device\": \"cpu\"}}")
             zero_user.pop(key)
-    if "offload_optimizer" in zero_user and offload_opt == "none":
-        offload_opt = zero_user["offload_optimizer"].get("device", "none")
-    if "offload_param" in zero_user and offload_param == "none":
-        offload_param = zero_user["offload_param"].get("device", "none")
+    return zero_user
 
+
+def _offload_devices(s, zero_user: dict) -> dict:
+    """{offload_optimizer, offload_param} -> device: Tessera's keys, else the JSON's."""
+    out = {}
+    for key in ("offload_optimizer", "offload_param"):
+        out[key] = getattr(s, key)
+        if key in zero_user and out[key] == "none":
+            out[key] = zero_user[key].get("device", "none")
+    return out
+
+
+def _zero_section(user: _UserJson, cfg, zero_user: dict, offload: dict) -> dict:
+    """zero_optimization as DeepSpeed gets it: the JSON's, with the stage, ZeRO++, buckets and offload set."""
+    s, stage = cfg.strategy, cfg.strategy.zero_stage
     zero = dict(zero_user)
     zero["stage"] = stage
-    # ZeRO++ (quantised weight all-gather, quantised gradient reduction, hierarchical partitions): Tessera's keys
-    # or the JSON's; on the CPU DeepSpeed has none of their kernels.
-    for key, off in ZERO_PLUS_PLUS_OFF.items():
-        if getattr(s, key) != off:
-            zero[key] = getattr(s, key)
-    zeropp = [k for k, off in ZERO_PLUS_PLUS_OFF.items() if zero.get(k, off) not in (off, "auto")]
-    if zeropp:
-        if stage != 3:
-            problems.append(f"ZeRO++ ({', '.join(zeropp)}) needs ZeRO stage 3; use strategy=zero3")
-        if _on_cpu(cfg):
-            problems.append(f"ZeRO++ ({', '.join(zeropp)}: strategy.{zeropp[0]} or the JSON's zero_optimization) "
-                            f"needs CUDA devices (DeepSpeed's quantisation kernels); set it off on the CPU")
-    opt_type = str(user.get("optimizer", {}).get("type", "")) if isinstance(user.get("optimizer"), dict) else ""
-    if opt_type.replace("_", "").lower() in ("onebitadam", "zerooneadam", "onebitlamb"):
-        problems.append(f"{src}: optimizer.type={opt_type}: DeepSpeed {_ds_version()} no longer ships its 1-bit "
-                        f"optimizers; use optim=adamw (compress the reduction with ZeRO++ on CUDA, or with "
-                        f"strategy=ddp strategy.comm_hook=powersgd)")
+    _zero_plus_plus(user, cfg, zero)
     zero.setdefault("overlap_comm", s.overlap_comm)
     zero.setdefault("contiguous_gradients", True)
     for key, ours in (("reduce_bucket_size", s.reduce_bucket_size), ("allgather_bucket_size", s.allgather_bucket_size),
@@ -145,30 +185,64 @@ def build_ds_config(cfg, dp_size: int) -> tuple:
             continue
         if key not in zero or _is_auto(zero[key]):
             zero[key] = int(ours)
-    for key, device in (("offload_optimizer", offload_opt), ("offload_param", offload_param)):
+    _offload_entries(user, s, zero, offload)
+    return zero
+
+
+def _zero_plus_plus(user: _UserJson, cfg, zero: dict) -> None:
+    """ZeRO++ (quantised weight all-gather, quantised gradient reduction, hierarchical partitions): Tessera's keys
+    or the JSON's; on the CPU DeepSpeed has none of their kernels. And the 1-bit optimizers DeepSpeed dropped."""
+    s = cfg.strategy
+    for key, off in ZERO_PLUS_PLUS_OFF.items():
+        if getattr(s, key) != off:
+            zero[key] = getattr(s, key)
+    zeropp = [k for k, off in ZERO_PLUS_PLUS_OFF.items() if zero.get(k, off) not in (off, "auto")]
+    if zeropp:
+        if s.zero_stage != 3:
+            user.problems.append(f"ZeRO++ ({', '.join(zeropp)}) needs ZeRO stage 3; use strategy=zero3")
+        if _on_cpu(cfg):
+            user.problems.append(f"ZeRO++ ({', '.join(zeropp)}: strategy.{zeropp[0]} or the JSON's "
+                                 f"zero_optimization) needs CUDA devices (DeepSpeed's quantisation kernels); set it "
+                                 f"off on the CPU")
+    opt_type = str(user.section("optimizer").get("type", ""))
+    if opt_type.replace("_", "").lower() in ("onebitadam", "zerooneadam", "onebitlamb"):
+        user.problems.append(f"{user.src}: optimizer.type={opt_type}: DeepSpeed {_ds_version()} no longer ships its "
+                             f"1-bit optimizers; use optim=adamw (compress the reduction with ZeRO++ on CUDA, or "
+                             f"with strategy=ddp strategy.comm_hook=powersgd)")
+
+
+def _offload_entries(user: _UserJson, s, zero: dict, offload: dict) -> None:
+    for key, device in offload.items():
         if device == "none":
             zero.pop(key, None)
             continue
         zero[key] = dict(zero.get(key, {}), device=device)
         if device == "nvme":
             zero[key].setdefault("nvme_path", s.nvme_path)
-    if offload_param != "none" and stage != 3:
-        problems.append(f"parameter offload (strategy.offload_param={offload_param}) needs ZeRO stage 3; use "
-                        f"strategy=zero3 or zero3_offload")
-    if offload_opt != "none" and stage == 0:
-        problems.append("strategy.offload_optimizer needs ZeRO stage 1, 2 or 3")
-    if "nvme" in (offload_opt, offload_param) and not s.nvme_path:
-        problems.append("NVMe offload needs strategy.nvme_path=<a folder on a fast local disk>")
+    opt, param = offload["offload_optimizer"], offload["offload_param"]
+    if param != "none" and s.zero_stage != 3:
+        user.problems.append(f"parameter offload (strategy.offload_param={param}) needs ZeRO stage 3; use "
+                             f"strategy=zero3 or zero3_offload")
+    if opt != "none" and s.zero_stage == 0:
+        user.problems.append("strategy.offload_optimizer needs ZeRO stage 1, 2 or 3")
+    if "nvme" in (opt, param) and not s.nvme_path:
+        user.problems.append("NVMe offload needs strategy.nvme_path=<a folder on a fast local disk>")
 
-    for section, mapping in (("optimizer", {"lr": cfg.optim.lr, "weight_decay": cfg.optim.weight_decay,
-                                            "betas": list(cfg.optim.betas), "eps": cfg.optim.eps}),):
-        params = user.get(section, {}).get("params", {}) if isinstance(user.get(section), dict) else {}
-        params = params if isinstance(params, dict) else {}
-        for k, ours in mapping.items():
-            if k in params and not _is_auto(params[k]) and params[k] != ours:
-                problems.append(f"{src}: {section}.params.{k}={params[k]!r} contradicts optim.{k}={ours!r}; Tessera's "
-                                f"optimizer is used on every backend, so set optim.{k} instead")
 
+def _check_optimizer_params(user: _UserJson, cfg) -> None:
+    """Tessera's optimizer is used on every backend: the JSON's optimizer.params may only agree with optim.*."""
+    ours = {"lr": cfg.optim.lr, "weight_decay": cfg.optim.weight_decay, "betas": list(cfg.optim.betas),
+            "eps": cfg.optim.eps}
+    params = user.section("optimizer").get("params", {})
+    params = params if isinstance(params, dict) else {}
+    for k, value in ours.items():
+        if k in params and not _is_auto(params[k]) and params[k] != value:
+            user.problems.append(f"{user.src}: optimizer.params.{k}={params[k]!r} contradicts optim.{k}={value!r}; "
+                                 f"Tessera's optimizer is used on every backend, so set optim.{k} instead")
+
+
+def _ds_dict(user: _UserJson, cfg, accum: int, zero: dict) -> dict:
+    t, precision = cfg.train, cfg.precision.name
     ds = {
         "train_batch_size": t.global_batch_size,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
@@ -183,17 +257,14 @@ def build_ds_config(cfg, dp_size: int) -> tuple:
         "wall_clock_breakdown": False,
     }
     if precision == "fp16":
-        fp16_user = user.get("fp16", {}) if isinstance(user.get("fp16"), dict) else {}
-        ds["fp16"].update({k: v for k, v in fp16_user.items() if k != "enabled" and not _is_auto(v)})
+        ds["fp16"].update({k: v for k, v in user.section("fp16").items() if k != "enabled" and not _is_auto(v)})
         ds["fp16"].setdefault("initial_scale_power", int(round(math.log2(cfg.precision.init_scale))))
         ds["fp16"].setdefault("loss_scale_window", cfg.precision.growth_interval)
         ds["fp16"].setdefault("loss_scale", 0)
     for key in ("activation_checkpointing", "flops_profiler", "comms_logger", "aio", "communication_data_type"):
-        if key in user:
-            ds[key] = user[key]
-    if user and "zero_optimization" in user:
-        problems += _zero_section_problems(zero, src)
-    return ds, problems
+        if key in user.data:
+            ds[key] = user.data[key]
+    return ds
 
 
 def _on_cpu(cfg) -> bool:
@@ -201,16 +272,14 @@ def _on_cpu(cfg) -> bool:
 
 
 def _ds_version() -> str:
-    from importlib.metadata import version
-
     return version("deepspeed")
 
 
 def _zero_section_problems(zero: dict, src: str) -> List[str]:
     """The merged zero_optimization section checked by DeepSpeed's own schema (types, allowed values, unknown
     keys), so a wrong value is one problem naming the JSON key instead of DeepSpeed's traceback at start-up."""
-    import pydantic
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    import pydantic  # ZeRO runs only (start-up)
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig  # ZeRO runs only (start-up)
 
     try:
         DeepSpeedZeroConfig(**zero)
@@ -243,29 +312,23 @@ def unlink_shared_memory_buffer() -> None:
 
 class DeepSpeedStrategy(Strategy):
     name = "zero"
-    uses_zero_options = True
     names = tuple(STAGES)
-    launcher = "deepspeed"
-    degrees = frozenset({"dp_replicate"})
-    checkpoint_format = "deepspeed"
-    supports_compile = False
+    capabilities = Capabilities(launcher="deepspeed", degrees=frozenset({"dp_replicate"}), zero_options=True,
+                                checkpoint_format="deepspeed", compile=False)
 
     def __init__(self, cfg, dims, device, precision):
-        from types import SimpleNamespace
-
-        from trainer.run.precision import Precision
-
         # DeepSpeed runs bf16/fp16 itself (half weights, fp32 master copy, its loss scaler): no autocast on top.
         super().__init__(cfg, dims, device, Precision(SimpleNamespace(precision=SimpleNamespace(name="fp32")), device))
         ds_ops.ensure_ready(cfg)  # stale build lock: exit 2; a build says so
 
     @classmethod
-    def skips_nonfinite_steps(cls, cfg) -> bool:
-        return cfg.precision.name == "fp16"  # the engine steps itself; only its fp16 overflow check skips a step
+    def capabilities_for(cls, cfg) -> Capabilities:
+        # the engine steps itself; only its fp16 overflow check skips a step
+        return replace(cls.capabilities, skips_nonfinite_steps=cfg.precision.name == "fp16")
 
     @classmethod
-    def config_problems(cls, cfg, world_size: int) -> List[str]:
-        problems = super().config_problems(cfg, world_size)
+    def layout_problems(cls, cfg, world_size: int) -> List[str]:
+        problems = []
         s = cfg.strategy
         if s.zero_stage != STAGES[s.name]:
             problems.append(f"strategy.zero_stage={s.zero_stage} contradicts strategy={s.name} "
@@ -292,12 +355,10 @@ class DeepSpeedStrategy(Strategy):
         loads pretrained weights into the partitions: each rank holds its partition plus the module being
         loaded, never the whole model. Presets get their seeded weights one init unit at a time afterwards
         (load_initial_weights), bit-identical to every other strategy's."""
-        import contextlib
-
         if self.cfg.strategy.zero_stage != 3:
             return contextlib.nullcontext()
-        import deepspeed
-        from transformers.integrations.deepspeed import HfDeepSpeedConfig
+        import deepspeed  # ZeRO runs only (start-up)
+        from transformers.integrations.deepspeed import HfDeepSpeedConfig  # ZeRO runs only (start-up)
 
         deepspeed.init_distributed()  # adopts the process group, so DeepSpeed's config sees the world size
         self.ds_config, _ = build_ds_config(self.cfg, self.dp_size)
@@ -305,7 +366,7 @@ class DeepSpeedStrategy(Strategy):
         return contextlib.nullcontext()
 
     def setup(self, model, build_optimizer, initial_weights=None):
-        import deepspeed
+        import deepspeed  # ZeRO runs only (start-up)
 
         self.ds_config, _ = build_ds_config(self.cfg, self.dp_size)
         self.prepare_blocks(model)
@@ -324,9 +385,7 @@ class DeepSpeedStrategy(Strategy):
     def load_initial_weights(self, model, initial_weights) -> None:
         if initial_weights is None or self.cfg.strategy.zero_stage != 3:
             return super().load_initial_weights(model, initial_weights)
-        import deepspeed
-
-        from models.init import named_tensors
+        import deepspeed  # ZeRO runs only (start-up)
 
         targets = named_tensors(model)
         for values in initial_weights:
@@ -377,16 +436,13 @@ class DeepSpeedStrategy(Strategy):
                                     exclude_frozen_parameters=self.adapters is not None)  # peft=lora: adapters only
         return None
 
-    def load_checkpoint_from(self, folder: str, group, weights_only: bool, param_groups) -> None:
-        from trainer.checkpoint.manager import CheckpointError, read_meta
-        from trainer.checkpoint.safe_load import checked_deepspeed_folder
-
-        saved_dp = read_meta(folder).get("dp_size", self.dp_size)
+    def load_checkpoint_from(self, saved: SavedCheckpoint, group) -> None:
+        folder, weights_only = saved.folder, saved.weights_only
         load_dir = folder
-        if saved_dp != self.dp_size:
+        if saved.dp_size not in (None, self.dp_size):
             # Another data-parallel size: convert to DeepSpeed's universal checkpoint (every parameter and its
             # optimizer state whole, per parameter) and let each rank take its new partition from it.
-            load_dir = self._universal_copy(folder)
+            load_dir = self._universal_copy(folder, saved.scratch_dir)
             # DeepSpeed reads this flag from its config only (no setter, and it is known only now): private attribute.
             self.engine._config.load_universal_checkpoint = True
         groups_before = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")}
@@ -417,24 +473,15 @@ class DeepSpeedStrategy(Strategy):
         if load_path is None:
             raise CheckpointError(f"DeepSpeed could not load the checkpoint in {folder}")
 
-    def _universal_copy(self, folder: str) -> str:
+    def _universal_copy(self, folder: str, scratch_dir: str) -> str:
         """Convert `folder` once (the first rank to take the lock converts, the others wait on the file lock,
-        not in a collective) into <run dir>/checkpoints/.universal-<name>; returns that folder."""
-        import argparse
-        import contextlib
-        import io
+        not in a collective) into <scratch_dir>/.universal-<name>; returns that folder."""
+        from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal  # ZeRO runs only (start-up)
 
-        from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
-
-        from trainer.data.store import file_lock
-        from trainer.checkpoint.safe_load import checked_deepspeed_folder
-
-        out = os.path.join(self.run_dir, "checkpoints", f".universal-{os.path.basename(folder.rstrip('/'))}")
+        out = os.path.join(scratch_dir, f".universal-{os.path.basename(folder.rstrip('/'))}")
         done = os.path.join(out, "CONVERTED")
         with file_lock(out + ".lock"):
             if not os.path.exists(done):
-                import shutil
-
                 shutil.rmtree(out, ignore_errors=True)
                 args = argparse.Namespace(input_folder=os.path.join(folder, "zero"),
                                           output_folder=os.path.join(out, "zero"), num_extract_workers=1,
@@ -447,26 +494,13 @@ class DeepSpeedStrategy(Strategy):
                     fh.write("ok\n")
         return out
 
-    def export_hf(self, out_dir: str, tokenizer, adapter_dir=None) -> list:
-        """The fp32 master weights (not DeepSpeed's bf16/fp16 copies of them) cast to export.dtype, gathered one
-        parameter at a time on every stage; rank 0 writes shards as they fill: no rank holds the whole model.
-        The same weights as `python -m trainer.export` of a checkpoint taken at this step."""
-        from trainer.exporting.hf_folder import write_hf_folder_streaming
-
-        if self.adapters is not None:
-            return self.write_exports(self.unwrapped().config, tokenizer, out_dir, adapter_dir, self.full_tensors())
-        write_hf_folder_streaming(self.unwrapped().config, tokenizer, out_dir, self.full_tensors(),
-                                  dist.get_rank() == 0, dtype=self.cfg.export.dtype)
-        dist.barrier()
-        return [out_dir]
-
     def full_tensors(self):
         """(name, full fp32 master) per parameter, then the persistent buffers. Collective: every rank iterates.
         ZeRO-1/2: each rank's fragment of the fp32 partition, all-reduced into one full tensor; ZeRO-3: the fp32
         partitions all-gathered (deepspeed.utils.safe_get_full_fp32_param). A parameter the ZeRO optimizer does
         not hold (frozen) has no master: its module copy is taken (gathered under ZeRO-3)."""
-        import deepspeed
-        from deepspeed.utils import safe_get_full_fp32_param
+        import deepspeed  # ZeRO runs only (start-up)
+        from deepspeed.utils import safe_get_full_fp32_param  # ZeRO runs only (start-up)
 
         model = self.unwrapped()
         # Tied weights are one Parameter: named_parameters lists it once, as HF's save_pretrained does.
@@ -485,42 +519,7 @@ class DeepSpeedStrategy(Strategy):
             if name not in param_names:
                 yield name, tensor
 
-    # ---- model-state memory (logging.memory_report), through DeepSpeed's and torch's public APIs ------------------
-    def model_state_bytes(self) -> dict:
-        """params: the bit16 parameters (ZeRO-1/2: every one, whole; ZeRO-3: this rank's partitions, sized by
-        deepspeed.utils.safe_get_local_fp32_param, plus any parameter whole or gathered now); master_params: the fp32
-        partitions (ZeRO-1/2: in the client optimizer's param groups; ZeRO-3: safe_get_local_fp32_param);
-        optimizer: the client optimizer's `state`;
-        grads: `.grad` of the bit16 parameters (where DeepSpeed leaves them) and of the fp32 partitions (set in the
-        step), and ZeRO-3's bit16 gradient partitions (deepspeed.utils.safe_get_local_grad). Not reachable through a
-        public API, so not counted: ZeRO-1/2's bit16 gradient partitions and the reduction buckets."""
-        from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_grad
-
-        count = StateBytes()
-        params = list(self.engine.module.parameters())
-        stage3 = self.cfg.strategy.zero_stage == 3
-        # ZeRO-3 puts its fp32 partitions in the param groups only while it steps them.
-        masters = [t for group in self.optimizer.param_groups for t in group["params"]]
-        for p in params:
-            count.add("params", p)  # ZeRO-3: empty unless whole (persistent) or gathered now
-            if stage3 and p.requires_grad:
-                master = safe_get_local_fp32_param(p)
-                count.bytes["params"] += master.numel() * p.element_size()  # the bit16 partition, same elements
-                count.bytes["master_params"] += master.numel() * master.element_size()
-            elif stage3 and hasattr(p, "ds_tensor"):  # frozen (peft=lora's base): its partition, no master copy
-                count.bytes["params"] += p.ds_tensor.numel() * p.ds_tensor.element_size()
-        if not stage3:
-            for t in masters:
-                count.add("master_params", t)
-        count.add_optimizer_state(self.optimizer)
-        for t in params + masters:
-            count.add("grads", t.grad)
-        if stage3 and self.cfg.strategy.offload_optimizer == "none":  # offloaded: the fp32 .grad above
-            for p in params:
-                if p.requires_grad:  # kept in the gradient-accumulation dtype, the parameter's (returned as fp32)
-                    count.bytes["grads"] += safe_get_local_grad(p).numel() * p.element_size()
-        return count.bytes
-
+    # ---- the memory report's probe point (logging.memory_report: trainer/observe/) ---------------------------
     def watch_memory(self, snap) -> list:
         """`backward_end`: after the last micro-batch's backward, before the engine steps."""
         self._snap_backward_end = snap
@@ -529,46 +528,6 @@ class DeepSpeedStrategy(Strategy):
             self._snap_backward_end = None
 
         return [disarm]
-
-    def built_parameter_bytes(self, model) -> int:
-        """ZeRO-3 builds partitioned: each parameter's bit16 partition. DeepSpeed offers no public accessor for it
-        before the engine exists (the safe_get_local_* functions need ZeRO's optimizer), so `ds_tensor` is read."""
-        count = StateBytes()
-        for p in model.parameters():
-            count.add("params", p)
-            count.add("params", getattr(p, "ds_tensor", None))
-        return count.bytes["params"]
-
-    @classmethod
-    def estimate_model_states(cls, est, cfg, dims, counts, rank_params: float) -> None:
-        """bit16 parameters (ZeRO-3: partitioned), fp32 master and optimizer state partitioned; gradients as
-        model_state_bytes sees them: the fp32 partition in the step (ZeRO-3: and its bit16 partition). The reduction
-        bucket, ZeRO-1/2's bit16 gradient partition and ZeRO-3's gathered parameter go to buffers."""
-        from trainer.planner.estimate import HALF, is_pretrained, optimizer_bytes_per_param
-
-        s = cfg.strategy
-        psi, n, stage, half = counts.total, dims.dp_size, s.zero_stage, HALF[cfg.precision.name]
-        part = psi / n
-        est.params = half * (psi if stage < 3 else part)
-        est.master_params = 4 * part
-        est.optimizer = optimizer_bytes_per_param(cfg) * part
-        est.grads = 4 * part + (half * part if stage == 3 else 0)
-        est.buffers = half * min(float(s.reduce_bucket_size), psi)
-        # ZeRO-1/2: the bit16 gradient partition; ZeRO-3: a gathered parameter (transient, like FSDP's blocks)
-        est.buffers += half * part if stage < 3 else half * counts.largest_param
-        if s.offload_optimizer != "none":  # the step runs on the host, on an fp32 copy of the gradients too
-            est.host_params += est.master_params + est.optimizer + 4 * part
-            est.grads -= 4 * part
-            est.master_params = est.optimizer = 0
-        if s.offload_param != "none" and stage == 3:
-            est.host_params += est.params
-            est.params = 0
-        whole_model = 4 * psi * (2 if is_pretrained(cfg) else 1)
-        est.host_load = 4 * part + 4 * counts.largest_block if stage == 3 else whole_model
-        est.notes.append(f"ZeRO-{stage}: bit16 params and gradients, fp32 master and optimizer state partitioned "
-                         f"over {n} ranks; gradients peak in the step, when the fp32 gradient partition exists")
-
-    run_dir = "."  # set by the builder: where universal conversions of old checkpoints go
 
     def close(self) -> None:
         super().close()

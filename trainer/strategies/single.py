@@ -2,21 +2,19 @@
 from __future__ import annotations
 
 from trainer.strategies.base import Strategy
+from trainer.strategies.capabilities import Capabilities
 
 
 class SingleStrategy(Strategy):
     name = "single"
-    launcher = "python"
-    needs_process_group = False
-    holds_whole_model = True
+    capabilities = Capabilities(launcher="python", needs_process_group=False, holds_whole_model=True)
 
     @classmethod
-    def config_problems(cls, cfg, world_size):
-        problems = super().config_problems(cfg, world_size)
+    def layout_problems(cls, cfg, world_size):
         if world_size != 1:
-            problems.append(f"strategy=single runs one process but the world size is {world_size}; use "
-                            f"strategy=ddp (or another parallel strategy), or start one process")
-        return problems
+            return [f"strategy=single runs one process but the world size is {world_size}; use strategy=ddp (or "
+                    f"another parallel strategy), or start one process"]
+        return []
 
     def setup(self, model, build_optimizer, initial_weights=None):
         self.prepare_blocks(model)

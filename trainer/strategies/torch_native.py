@@ -19,19 +19,36 @@ micro-batches is then exactly the token-normalized global loss, never a mean of 
 from __future__ import annotations
 
 import copy
+import itertools
+from dataclasses import replace
 from typing import List
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.distributed.pipelining.schedules as schedules
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor
 
+from models import plans
+from models.init import decoder_blocks, meta_model, named_tensors
+from models.lora import meta_adapted
+from models.weights import is_checkpoint
+from trainer.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner
+from trainer.checkpoint.saved import SavedCheckpoint
+from trainer.config import schema as C
 from trainer.data.datasets import IGNORE
 from trainer.parallel import fsdp as F2
-from trainer.strategies.base import StateBytes, Strategy, to_device
+from trainer.parallel.grad_norm import clip_to_norm, world_square_sum
 from trainer.parallel.pipeline import (SCHEDULES, SPLIT_BACKWARD_SCHEDULES, StageModule, cut_stage, set_module,
-                                         stage_indices, stages_per_rank)
+                                       stage_indices, stages_per_rank)
+from trainer.parallel.sync import PeriodicSync
 from trainer.parallel.tensor_parallel import apply_tp, count_functional_collectives, grads_in_param_layout
+from trainer.run.loss import to_device
+from trainer.strategies.base import Strategy
+from trainer.strategies.capabilities import Capabilities
 
 # Strategies that shard with FSDP even over one data-parallel rank.
 _ALWAYS_FSDP = ("fsdp", "hsdp")
@@ -40,17 +57,33 @@ _ALWAYS_FSDP = ("fsdp", "hsdp")
 class TorchNativeStrategy(Strategy):
     name = "fsdp"
     names = ("fsdp", "hsdp", "tp", "pp", "fsdp_tp", "pp_fsdp", "3d")
-    degrees = frozenset({"dp_replicate", "dp_shard", "tp", "pp"})
-    uses_fsdp_options = True
-    uses_dtensor_parameters = True
     # Pretrained weights come to load_initial_weights, each rank reading only its part.
-    loads_pretrained_weights = True
-    fault_tolerance = frozenset({"torchft"})  # fsdp / hsdp without tp and pp: fault_tolerance_of
+    capabilities = Capabilities(degrees=frozenset({"dp_replicate", "dp_shard", "tp", "pp"}), fsdp_options=True,
+                                dtensor_parameters=True, loads_pretrained_weights=True,
+                                fault_tolerance=frozenset({"torchft"}))
 
     @classmethod
-    def config_problems(cls, cfg, world_size: int) -> List[str]:
-        problems = super().config_problems(cfg, world_size) + F2.fsdp_config_problems(cfg)
+    def capabilities_for(cls, cfg) -> Capabilities:
+        """fsdp / hsdp name their degrees; torchft replica groups over FSDP2 layouts only (each group shards and
+        replicates inside itself; the groups are the outer replicas); local SGD / DiLoCo across hsdp's replica
+        groups (each group a worker, sharded inside). Neither with tensor or pipeline parallelism."""
         s = cfg.strategy
+        plain = s.tp == 1 and s.pp == 1
+        return replace(cls.capabilities,
+                       degrees=frozenset({"dp_replicate", "dp_shard"}) if s.name in _ALWAYS_FSDP else
+                       cls.capabilities.degrees,
+                       fault_tolerance=cls.capabilities.fault_tolerance if s.name in _ALWAYS_FSDP and plain else
+                       frozenset(),
+                       periodic_sync=s.name == "hsdp" and plain)
+
+    @classmethod
+    def layout_problems(cls, cfg, world_size: int) -> List[str]:
+        s = cfg.strategy
+        problems = []
+        if s.name == "fsdp" and s.dp_replicate not in (1,):
+            problems.append(f"strategy=fsdp shards over every rank: strategy.dp_replicate must be 1 (got "
+                            f"{s.dp_replicate}); for replicated shard groups use strategy=hsdp")
+        problems += F2.fsdp_config_problems(cfg)
         if s.pp_schedule not in SCHEDULES:
             problems.append(f"strategy.pp_schedule={s.pp_schedule!r} is not one of {', '.join(SCHEDULES)}")
         elif s.pp_stages_per_rank < 1:
@@ -67,35 +100,12 @@ class TorchNativeStrategy(Strategy):
         return problems
 
     @classmethod
-    def fault_tolerance_of(cls, cfg):
-        """torchft replica groups over FSDP2 layouts: each group shards (and replicates) inside itself; the groups
-        are the outer replicas. Not with tensor or pipeline parallelism."""
-        s = cfg.strategy
-        plain = s.name in _ALWAYS_FSDP and s.tp == 1 and s.pp == 1
-        return cls.fault_tolerance if plain else frozenset()
-
-    @classmethod
-    def periodic_sync_of(cls, cfg) -> bool:
-        """Local SGD / DiLoCo across hsdp's replica groups (each group a worker, sharded inside); not with
-        tensor or pipeline parallelism."""
-        s = cfg.strategy
-        return s.name == "hsdp" and s.tp == 1 and s.pp == 1
-
-    @classmethod
-    def degrees_of(cls, name: str):
-        return frozenset({"dp_replicate", "dp_shard"}) if name in _ALWAYS_FSDP else cls.degrees
-
-    @classmethod
     def fsdp_applies(cls, name: str, dims) -> bool:
         return name in _ALWAYS_FSDP or dims.dp_size > 1
 
     @classmethod
     def model_problems(cls, cfg, info, dims) -> List[str]:
         """Checks that need the model's shape and the degrees (called before any process group starts)."""
-        from models import plans
-        from models.init import meta_model
-        from trainer.config import schema as C
-
         s = cfg.strategy
         problems = []
         if not cls.fsdp_applies(s.name, dims):
@@ -129,37 +139,47 @@ class TorchNativeStrategy(Strategy):
             problems.append(f"data.kind=mixture is not available with pipeline parallelism (strategy.pp={dims.pp}): "
                             f"the last stage's loss does not see the rows' tasks; use strategy.pp=1")
         if dims.pp > 1 and s.pp_schedule in SCHEDULES:
-            if plans.pipeline_split(model) is None:
-                problems.append(f"strategy.pp={dims.pp}: Tessera finds no pipeline split for the "
-                                f"{info.hf_config.model_type} architecture (its decoder blocks and the modules "
-                                f"before and after them); set strategy.pp=1")
-            if s.pp_schedule in SPLIT_BACKWARD_SCHEDULES and cls.fsdp_applies(s.name, dims):
-                # Measured (torch 2.13, pp 2 x dp_shard 2, fp32): the gradient norm 40-60% off one process with
-                # interleaved_zb and zbv, 3e-4 with dualpipev; the other schedules match to 1e-7.
-                problems.append(f"strategy.pp_schedule={s.pp_schedule} splits the backward into input and weight "
-                                f"passes, which FSDP's gradient reduction does not follow (torch's pipelining drops "
-                                f"part of the weight gradients): with data parallelism (degree {dims.dp_size}) use "
-                                f"strategy.pp_schedule=1f1b, interleaved_1f1b, looped_bfs or gpipe; the zero-bubble "
-                                f"schedules run with pipeline (and tensor) parallelism alone")
-            n_stages = dims.pp * stages_per_rank(s)
-            problems += plans.split_problems(info.num_layers, n_stages, s.pp_split_points)
-            micro = C.grad_accumulation_steps(cfg, dims.dp_size) if dims.dp_size else 0
-            kind = SCHEDULES[s.pp_schedule][1]
-            need = dims.pp if kind == 1 and s.pp_schedule != "gpipe" else (n_stages if kind == "v" else 0)
-            if micro and need and micro < need:
-                problems.append(f"strategy.pp_schedule={s.pp_schedule} needs at least {need} micro-batches per step "
-                                f"but train.global_batch_size / (train.micro_batch_size x data-parallel degree) "
-                                f"gives {micro}; raise train.global_batch_size or lower train.micro_batch_size")
-            if micro and kind is None:
-                rounds = max(1, micro // dims.pp)
-                if micro % rounds:
-                    problems.append(f"strategy.pp_schedule={s.pp_schedule} needs the micro-batches per step "
-                                    f"({micro}) to be a multiple of {rounds}; change train.global_batch_size")
+            problems += cls._pipeline_problems(cfg, info, dims, model)
+        return problems
+
+    @classmethod
+    def _pipeline_problems(cls, cfg, info, dims, model) -> List[str]:
+        """The pipeline split, schedule and micro-batch count for this model and layout."""
+        s, problems = cfg.strategy, []
+        if plans.pipeline_split(model) is None:
+            problems.append(f"strategy.pp={dims.pp}: Tessera finds no pipeline split for the "
+                            f"{info.hf_config.model_type} architecture (its decoder blocks and the modules "
+                            f"before and after them); set strategy.pp=1")
+        if s.pp_schedule in SPLIT_BACKWARD_SCHEDULES and cls.fsdp_applies(s.name, dims):
+            # Measured (torch 2.13, pp 2 x dp_shard 2, fp32): the gradient norm 40-60% off one process with
+            # interleaved_zb and zbv, 3e-4 with dualpipev; the other schedules match to 1e-7.
+            problems.append(f"strategy.pp_schedule={s.pp_schedule} splits the backward into input and weight "
+                            f"passes, which FSDP's gradient reduction does not follow (torch's pipelining drops "
+                            f"part of the weight gradients): with data parallelism (degree {dims.dp_size}) use "
+                            f"strategy.pp_schedule=1f1b, interleaved_1f1b, looped_bfs or gpipe; the zero-bubble "
+                            f"schedules run with pipeline (and tensor) parallelism alone")
+        n_stages = dims.pp * stages_per_rank(s)
+        problems += plans.split_problems(info.num_layers, n_stages, s.pp_split_points)
+        micro = C.grad_accumulation_steps(cfg, dims.dp_size) if dims.dp_size else 0
+        kind = SCHEDULES[s.pp_schedule][1]
+        need = dims.pp if kind == 1 and s.pp_schedule != "gpipe" else (n_stages if kind == "v" else 0)
+        if micro and need and micro < need:
+            problems.append(f"strategy.pp_schedule={s.pp_schedule} needs at least {need} micro-batches per step "
+                            f"but train.global_batch_size / (train.micro_batch_size x data-parallel degree) "
+                            f"gives {micro}; raise train.global_batch_size or lower train.micro_batch_size")
+        if micro and kind is None:
+            rounds = max(1, micro // dims.pp)
+            if micro % rounds:
+                problems.append(f"strategy.pp_schedule={s.pp_schedule} needs the micro-batches per step "
+                                f"({micro}) to be a multiple of {rounds}; change train.global_batch_size")
         return problems
 
     def __init__(self, cfg, dims, device, precision):
         super().__init__(cfg, dims, device, precision)
         self.fsdp_enabled = self.fsdp_applies(cfg.strategy.name, dims)
+        # torch.compile'd tensor-parallel blocks run their collectives inside compiled code, which comm_bytes
+        # cannot see.
+        self.caps = replace(self.caps, counts_all_collectives=not (dims.tp_enabled and cfg.train.compile))
         self.param_dtype, self.reduce_dtype = F2.fsdp_dtypes(cfg) if self.fsdp_enabled else (None, None)
         # One decision for every layout: FSDP casts what it gathers (no autocast on top); without FSDP, autocast.
         self.precision = precision.with_cast_by_wrapper(self.fsdp_enabled)
@@ -172,23 +192,42 @@ class TorchNativeStrategy(Strategy):
                 backoff_factor=p.backoff_factor, growth_interval=p.growth_interval, process_group=None)
 
     def model_construction(self, pretrained: bool):
-        from accelerate import init_empty_weights
+        from accelerate import init_empty_weights  # start-up time
 
         return init_empty_weights(include_buffers=False)
 
     # ---- building ------------------------------------------------------------------------------------------
     def setup(self, model, build_optimizer, initial_weights=None):
-        from models import plans
-        from models.init import decoder_blocks
-
-        d, s = self.dims, self.cfg.strategy
+        """Mesh, pipeline cut, then per part: apply_tp, activation checkpointing and compile, apply_fsdp; then the
+        weights, the optimizer and the schedule."""
+        d = self.dims
         count_functional_collectives()
-        # torch.compile'd tensor-parallel blocks run their collectives inside compiled code, which comm_bytes
-        # cannot see.
-        self.counts_all_collectives = not (d.tp_enabled and self.cfg.train.compile)
         # Built under empty weights, a model whose config ties the embeddings and the head holds two parameters:
         # tie them (as from_config / from_pretrained do), so every layout trains one weight.
         model.tie_weights()
+        local_workers = self._build_meshes()
+        self._cut_stages(model)
+        for stage, part in self.parts:
+            self._parallelize(part, self.stage_modules.get(stage, part))
+        self.load_initial_weights(None, initial_weights)
+        self.state_model = self._state_view(model) if len(self.parts) > 1 else self.parts[0][1]
+        self.model = self.state_model
+        if local_workers:
+            self._attach_periodic_sync(self.world_mesh["dp_replicate"].get_group() if d.dp_replicate_enabled else None)
+        self.optimizer = build_optimizer(self.state_model.named_parameters())
+        # peft=lora's frozen base: sharded like the rest, outside the optimizer (the memory report counts them)
+        self.frozen_shards = [p for p in self.state_model.parameters() if not p.requires_grad]
+        if self.precision.scaler is not None:  # stages without the loss never call scale(), which sets it up
+            self.precision.scaler.scale(torch.zeros((), device=self.device))
+        if d.pp_enabled:
+            self._build_schedule()
+        if self.tied:
+            self._tie_group = self._tied_stages_group()
+        return self.model, self.optimizer
+
+    def _build_meshes(self) -> bool:
+        """The device mesh and its groups; returns whether hsdp's replica groups are local-SGD workers."""
+        d, s = self.dims, self.cfg.strategy
         mesh = self.dims.build_mesh(self.device.type)
         self.world_mesh = mesh
         self.tp_mesh = mesh["tp"] if d.tp_enabled else None
@@ -200,7 +239,11 @@ class TorchNativeStrategy(Strategy):
             self.dp_mesh = mesh["dp_replicate", "dp_shard"]
         else:
             self.dp_mesh = mesh["dp_shard"]  # with local workers FSDP reduces inside the group only
+        return local_workers
 
+    def _cut_stages(self, model) -> None:
+        """This rank's pipeline stages as parts of the model (the whole model without pipeline parallelism)."""
+        d, s = self.dims, self.cfg.strategy
         self.split = plans.pipeline_split(model) if d.pp_enabled else None
         # Tied embeddings across stages (Megatron's way): the first stage holds the embedding, the last a copy of
         # it as the head; both start from the same values and their gradients are summed after backward, so they
@@ -225,43 +268,25 @@ class TorchNativeStrategy(Strategy):
         # forward may skip the causal LM's own.
         self.stage_modules = {stage: StageModule(part, stage == 0, stage == self.num_stages - 1)
                               for stage, part in self.parts} if d.pp_enabled else {}
-        for stage, part in self.parts:
-            root = self.stage_modules.get(stage, part)
-            if d.tp_enabled:
-                apply_tp(part, plans.tp_plan(part, d.tp), self.tp_mesh, s.sequence_parallel)
-            self.prepare_blocks(part)  # activation checkpointing, compile
-            if self.fsdp_enabled:
-                F2.apply_fsdp([b for _, b in decoder_blocks(part)], root, self.dp_mesh, self.param_dtype,
-                              self.reduce_dtype, s.reshard_after_forward, s.cpu_offload,
-                              pin_memory=self.device.type == "cuda")
-            F2.materialize(root, self.device, s.cpu_offload)  # new parameter objects: hooks go on after it
-            if d.tp_enabled and not self.fsdp_enabled:
-                grads_in_param_layout(part)
-        self.load_initial_weights(None, initial_weights)
-        self.state_model = self._state_view(model) if len(self.parts) > 1 else self.parts[0][1]
-        self.model = self.state_model
-        if local_workers:
-            self._attach_periodic_sync(mesh["dp_replicate"].get_group() if d.dp_replicate_enabled else None)
-        self.optimizer = build_optimizer(self.state_model.named_parameters())
-        # peft=lora's frozen base: sharded like the rest, outside the optimizer (the memory report counts them)
-        self.frozen_shards = [p for p in self.state_model.parameters() if not p.requires_grad]
-        if self.precision.scaler is not None:  # stages without the loss never call scale(), which sets it up
-            self.precision.scaler.scale(torch.zeros((), device=self.device))
-        if d.pp_enabled:
-            self._build_schedule()
-        if self.tied:
-            self._tie_group = self._tied_stages_group()
-        self.attach_replica_groups()
-        return self.model, self.optimizer
+
+    def _parallelize(self, part, root) -> None:
+        """apply_tp, activation checkpointing and compile, apply_fsdp, then the parameters on the device."""
+        d, s = self.dims, self.cfg.strategy
+        if d.tp_enabled:
+            apply_tp(part, plans.tp_plan(part, d.tp), self.tp_mesh, s.sequence_parallel)
+        self.prepare_blocks(part)  # activation checkpointing, compile
+        if self.fsdp_enabled:
+            F2.apply_fsdp([b for _, b in decoder_blocks(part)], root, self.dp_mesh, self.param_dtype,
+                          self.reduce_dtype, s.reshard_after_forward, s.cpu_offload,
+                          pin_memory=self.device.type == "cuda")
+        F2.materialize(root, self.device, s.cpu_offload)  # new parameter objects: hooks go on after it
+        if d.tp_enabled and not self.fsdp_enabled:
+            grads_in_param_layout(part)
 
     # ---- local SGD / DiLoCo across hsdp's replica groups (strategies/sync.py) ------------------------------------
     def _attach_periodic_sync(self, replicate_group) -> None:
         """Each replica group is a worker; rank i of every group holds the same shard, so the workers' shards are
         synchronised over the replicate dimension. They start from group 0's values, as every_step's would."""
-        from torch.distributed.tensor import DTensor
-
-        from trainer.parallel.sync import PeriodicSync
-
         shards = {n: (p.to_local() if isinstance(p, DTensor) else p).detach()  # views of the parameters' storage
                   for n, p in self.state_model.named_parameters() if p.requires_grad}  # peft=lora: the adapters
         workers = dist.get_world_size(replicate_group) if replicate_group is not None else 1
@@ -309,8 +334,6 @@ class TorchNativeStrategy(Strategy):
     def _tied_stages_group(self):
         """The two ranks of this rank's pipeline that hold the first and the last stage (None where one rank
         holds both, or this rank neither); every rank creates every such group, in the same order."""
-        import itertools
-
         v_shape = SCHEDULES[self.cfg.strategy.pp_schedule][1] == "v"
         last_owner = 0 if v_shape else (self.num_stages - 1) % self.dims.pp
         if last_owner == 0:
@@ -325,8 +348,6 @@ class TorchNativeStrategy(Strategy):
         return mine
 
     def _sum_tied_grads(self) -> None:
-        from torch.distributed.tensor import DTensor
-
         copies = [p for p in self._tied_copies() if p.grad is not None]
         if not copies:
             return
@@ -342,15 +363,13 @@ class TorchNativeStrategy(Strategy):
     @torch.no_grad()
     def load_initial_weights(self, model, initial_weights) -> None:
         """Each rank writes its part of every tensor of its stages (`model` is unused: the stages are)."""
-        from models.init import named_tensors
-
         targets = {}
         for _, part in self.parts:
             targets.update(named_tensors(part))
-        if initial_weights is not None and hasattr(initial_weights, "read"):
+        if is_checkpoint(initial_weights):
             F2.missing_pretrained(initial_weights, [(n, t) for n, t in targets.items()
                                                     if isinstance(t, nn.Parameter)])
-        if self.tied and initial_weights is not None and not hasattr(initial_weights, "read"):
+        if self.tied and initial_weights is not None and not is_checkpoint(initial_weights):
             embed, head = self.tied  # seeded units name the tied weight once, as the embedding
             initial_weights = ({**values, head: values[embed]} if embed in values else values
                                for values in initial_weights)
@@ -377,11 +396,6 @@ class TorchNativeStrategy(Strategy):
 
     # ---- pipeline schedule -----------------------------------------------------------------------------------
     def _build_schedule(self) -> None:
-        import torch.distributed.pipelining.schedules as schedules
-        from torch.distributed.pipelining import PipelineStage
-
-        from trainer.config import schema as C
-
         self.stages = [PipelineStage(self.stage_modules[stage], stage, self.num_stages, self.device,
                                      group=self.pp_group) for stage, _ in self.parts]
         cls = getattr(schedules, SCHEDULES[self.cfg.strategy.pp_schedule][0])
@@ -389,16 +403,11 @@ class TorchNativeStrategy(Strategy):
         stages = self.stages if len(self.stages) > 1 or SCHEDULES[self.cfg.strategy.pp_schedule][1] != 1 \
             else self.stages[0]
         self.schedule = cls(stages, n_microbatches=n_micro, loss_fn=self._pipeline_loss, scale_grads=False)
-        self._ce_sums = []
 
     def _pipeline_loss(self, logits, labels):
+        """A micro-batch's CE sum over the global batch's target tokens (set by forward_backward), loss-scaled."""
         ce_sum = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
-        self._ce_sums.append(ce_sum.detach())
         return self.precision.scale(ce_sum / self._n_target)
-
-    @property
-    def _last_stages_here(self) -> int:
-        return int(self.has_last_stage)
 
     @property
     def has_first_stage(self) -> bool:
@@ -412,19 +421,19 @@ class TorchNativeStrategy(Strategy):
         if self.dims.pp == 1:
             return super().forward_backward(micro_batches, num_target_tokens)
         self._n_target = num_target_tokens
-        self._ce_sums = []
         inputs = to_device(torch.cat([b["input_ids"] for b in micro_batches]), self.device)
         labels = to_device(torch.cat([b["labels"] for b in micro_batches]), self.device)
         args = (inputs,) if self.has_first_stage else ()
         target = labels if self.has_last_stage else None
+        losses = [] if self.has_last_stage else None  # the schedule's own: each real micro-batch's loss_fn value
         with self.precision.autocast():
-            self.schedule.step(*args, target=target, losses=[] if self.has_last_stage else None)
+            self.schedule.step(*args, target=target, losses=losses)
         if self.tied:
             self._sum_tied_grads()
-        # The schedule calls the loss once more, on placeholder values, when it infers shapes in its first step:
-        # the real micro-batches are the last ones.
-        real = self._ce_sums[-len(micro_batches) * self._last_stages_here:]
-        total = torch.stack(real).sum() if real else torch.zeros((), device=self.device)
+        total = torch.zeros((), device=self.device)
+        if losses:
+            total = self.precision.unscale_value(torch.stack([loss.detach() for loss in losses]).sum())
+            total = total * num_target_tokens
         return self._pp_sum(total)
 
     def _pp_sum(self, t: torch.Tensor) -> torch.Tensor:
@@ -479,8 +488,6 @@ class TorchNativeStrategy(Strategy):
 
     def grad_norm_and_clip(self, max_norm: float) -> torch.Tensor:
         """Global gradient norm over every stage, tensor shard and data shard (fp64 sums, one all-reduce)."""
-        from trainer.strategies.base import clip_to_norm, world_square_sum
-
         params = [p for p in self.state_model.parameters() if p.grad is not None]
         copies = {id(p) for p in self._tied_copies()[1:]} if self.tied and self.has_first_stage else set()
         if self.tied and not self.has_first_stage:
@@ -491,15 +498,13 @@ class TorchNativeStrategy(Strategy):
         return clip_to_norm(params, norm, max_norm)
 
     # ---- checkpoints: the tied head's copy reads the embedding's entries where a checkpoint has no others -----
-    def load_checkpoint_from(self, folder: str, group, weights_only: bool, param_groups) -> None:
+    def load_checkpoint_from(self, saved_checkpoint: SavedCheckpoint, group) -> None:
         """A checkpoint saved by a layout that holds a tied weight once has no optimizer state for the last stage's
         head copy (DCP saves it under the embedding's name): the copy loads the embedding's. Pipeline checkpoints
         hold both copies and load as they are."""
         if not self.tied:
-            return super().load_checkpoint_from(folder, group, weights_only, param_groups)
-        import torch.distributed.checkpoint as dcp
-
-        from trainer.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner
+            return super().load_checkpoint_from(saved_checkpoint, group)
+        folder, weights_only = saved_checkpoint.folder, saved_checkpoint.weights_only
 
         embed, head = self.tied
         saved = SafeFileSystemReader(folder).read_metadata().state_dict_metadata
@@ -521,75 +526,20 @@ class TorchNativeStrategy(Strategy):
                 state[section][head] = value
             else:
                 state[section][head] = state[section].pop(embed)
-        self.load_checkpoint_state(state, None if weights_only else param_groups)
+        self.load_checkpoint_state(state, None if weights_only else saved_checkpoint.param_groups)
 
-    # ---- model-state memory (logging.memory_report) and the planner ---------------------------------------------
-    def model_state_bytes(self) -> dict:
-        if not self.fsdp_enabled:  # tensor / pipeline parallelism without FSDP: whole (or DTensor) parameters
-            return super().model_state_bytes()
-        count = StateBytes()
-        F2.count_fsdp_states(self, count)
-        return count.bytes
-
+    # ---- the memory report's probe points (logging.memory_report: trainer/observe/) --------------------------
     def watch_memory(self, snap) -> list:
         undo = []
         for root, modules in F2.fsdp_trees(self):
             undo += F2._watch_fsdp(snap, root, modules)
         return undo
 
-    def memory_layout(self) -> dict:
-        if not self.fsdp_enabled:
-            return {}
-        layout = F2.fsdp_layout(self, self.dp_mesh.size(self.dp_mesh.ndim - 1))  # the shard dimension's size
-        return {} if layout is None else {"fsdp": layout}
-
-    @classmethod
-    def estimate_model_states(cls, est, cfg, dims, counts, rank_params: float) -> None:
-        """fp32 parameters, gradients and optimizer state of this rank's model-parallel part, sharded over the
-        FSDP shard group; one block gathered (and the next prefetched) in the compute dtype, or every block with
-        reshard_after_forward=false."""
-        from trainer.planner.estimate import HALF, optimizer_bytes_per_param
-
-        s = cfg.strategy
-        shard = dims.dp_shard if dims.dp_size > 1 else 1
-        gathered_dtype = HALF[s.param_dtype] if s.param_dtype else HALF[cfg.precision.name]
-        est.params = 4 * rank_params / shard
-        est.grads = 4 * rank_params / shard
-        est.optimizer = optimizer_bytes_per_param(cfg) * rank_params / shard
-        block = counts.largest_block / max(dims.tp, 1)
-        if dims.dp_size > 1:
-            est.buffers = gathered_dtype * (rank_params if not s.reshard_after_forward else 2 * block)
-        from trainer.parallel.sync import sync_state_bytes
-
-        anchor, outer = sync_state_bytes(cfg, rank_params / shard)
-        est.master_params += anchor
-        est.optimizer += outer
-        if anchor:
-            est.notes.append(f"sync={cfg.sync.name}: the fp32 anchor and outer state beside each worker's shards")
-        if s.cpu_offload:
-            est.host_params = est.params + est.grads + est.optimizer
-            est.params = est.grads = est.optimizer = 0
-        est.host_load = 4 * max(block, counts.first, counts.last) * 2
-        est.notes.append(f"parameters on the meta device until sharded; fp32 shards over {shard} rank(s)"
-                         + (f", tensor-parallel degree {dims.tp}" if dims.tp > 1 else "")
-                         + (f", pipeline degree {dims.pp}" if dims.pp > 1 else ""))
-
-    # ---- export: one parameter at a time, from whichever stage holds it --------------------------------------
-    def export_hf(self, out_dir: str, tokenizer, adapter_dir=None) -> list:
-        from trainer.exporting.hf_folder import write_hf_folder_streaming
-
-        if self.adapters is not None:
-            return self.write_exports(self.parts[0][1].config, tokenizer, out_dir, adapter_dir, self.full_tensors())
-        write_hf_folder_streaming(self.parts[0][1].config, tokenizer, out_dir, self.full_tensors(),
-                                  dist.get_rank() == 0, dtype=self.cfg.export.dtype)
-        dist.barrier()
-        return [out_dir]
+    @property
+    def hf_config(self):
+        return self.parts[0][1].config  # every stage's part carries the whole model's config
 
     def full_tensors(self):
-        from torch.distributed.tensor import DTensor
-
-        from models.lora import meta_adapted
-
         full = meta_adapted(self.parts[0][1].config, self.cfg.peft)
         mine = dict(self.state_model.named_parameters())
         mine.update({k: v for k, v in self.state_model.state_dict().items() if k not in mine})
@@ -637,6 +587,4 @@ def _copy_tree(dst, src) -> None:
 
 def _local(t):
     """A DTensor's local part (an optimizer state entry of a sharded parameter), a plain tensor as it is."""
-    from torch.distributed.tensor import DTensor
-
     return t.to_local() if isinstance(t, DTensor) else t

@@ -1,6 +1,6 @@
 """Documentation that cannot drift: every config key has a meaning in the schema, docs/config.md is what the
-generator writes now, and the README (and benchmarks/README.md, docs/*.md) names only files, folders, modules and
-config keys that exist. No subprocesses; a few Hydra composes at most."""
+generator writes now, the README and docs/*.md name only files, folders, modules and config keys that exist, and
+benchmarks/README.md only files, folders and modules that exist. No subprocesses; a few Hydra composes at most."""
 from __future__ import annotations
 
 import re
@@ -141,10 +141,16 @@ def test_documentation_names_existing_paths(doc: Path):
     assert not missing, f"{doc.relative_to(REPO)} names paths that do not exist: {missing}"
 
 
-def test_readme_names_existing_config_keys():
-    unknown = sorted(named_config_keys((REPO / "README.md").read_text()) - known_keys())
-    assert not unknown, (f"README.md names config keys the schema (trainer/config/schema.py) does not have: {unknown}; "
-                         f"see docs/config.md")
+def guide_files():
+    """README.md and docs/*.md: where config keys are named (benchmarks/README.md names benchmark options)."""
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+@pytest.mark.parametrize("doc", guide_files(), ids=lambda p: str(p.relative_to(REPO)))
+def test_readme_names_existing_config_keys(doc: Path):
+    unknown = sorted(named_config_keys(doc.read_text()) - known_keys())
+    assert not unknown, (f"{doc.relative_to(REPO)} names config keys the schema (trainer/config/schema.py) does not "
+                         f"have: {unknown}; see docs/config.md")
 
 
 def test_the_scanners_catch_what_they_should():

@@ -8,6 +8,7 @@ import pytest
 
 from tessera.errors import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_FAULT, EXIT_INTERRUPTED
 from trainer.launch import choose as launch_plan
+from trainer.checkpoint import resume_plan
 from trainer.launch import restarts
 
 
@@ -65,19 +66,24 @@ def test_a_restarted_rank_continues_its_run(compose, tmp_path, monkeypatch, env)
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
     said = []
     cfg = compose(["checkpoint.resume=/elsewhere/step_3", "checkpoint.load_weights_only=true"])
-    restarts.continue_run(cfg, str(tmp_path), said.append)  # the first attempt: as asked
-    assert cfg.checkpoint.resume == "/elsewhere/step_3" and not said
+
+    def plan():
+        return resume_plan.intend(cfg, str(tmp_path), restarts.restart_count(), said.append)
+
+    first = plan()  # the first attempt: as asked
+    assert (first.mode, first.spec, first.weights_only) == ("path", "/elsewhere/step_3", True) and not said
     monkeypatch.setenv(env, "1")
-    restarts.continue_run(cfg, str(tmp_path), said.append)  # restarted, nothing saved yet: as asked again
-    assert cfg.checkpoint.resume == "/elsewhere/step_3" and cfg.checkpoint.load_weights_only
+    again = plan()  # restarted, nothing saved yet: as asked again
+    assert (again.mode, again.spec, again.weights_only) == ("path", "/elsewhere/step_3", True)
     _fake_checkpoint(tmp_path, 4)
     _fake_checkpoint(tmp_path, 8)
-    restarts.continue_run(cfg, str(tmp_path), said.append)  # its own checkpoints now: the newest, fully
-    assert cfg.checkpoint.resume == "auto" and not cfg.checkpoint.load_weights_only
+    own = plan()  # its own checkpoints now: the newest, fully
+    assert (own.mode, own.weights_only, own.continues_run) == ("auto", False, True)
     assert said[-1] == f"restart 1: continuing the run in {tmp_path} from its checkpoint of step 8"
-    fresh = compose([])
-    restarts.continue_run(fresh, str(tmp_path / "new"), said.append)  # resume=none: continue, from step 0
-    assert fresh.checkpoint.resume == "auto" and said[-1].endswith("from step 0 (no complete checkpoint yet)")
+    # the config is read, never written: what the user asked for stays in it
+    assert cfg.checkpoint.resume == "/elsewhere/step_3" and cfg.checkpoint.load_weights_only
+    fresh = resume_plan.intend(compose([]), str(tmp_path / "new"), 1, said.append)  # resume=none: from step 0
+    assert fresh.mode == "auto" and said[-1].endswith("from step 0 (no complete checkpoint yet)")
 
 
 def test_launch_sh_gets_the_launcher_and_the_restarts():

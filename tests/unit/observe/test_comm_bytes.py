@@ -45,3 +45,44 @@ def test_a_collective_among_one_rank_counts_nothing(one_rank_group):
         counted(torch.ones(10))
         counted(torch.ones(10), group=dist.group.WORLD)
     assert counter.take() == {"comm_bytes": 0, "comm_bytes_by_kind": {}}
+
+
+def test_off_replaces_nothing_and_install_then_off_puts_the_originals_back():
+    """logging.comm_bytes: configure(False) leaves torch.distributed's functions as they are (and takes back an
+    earlier install), configure(True) wraps them; the module's counter counts only while installed."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed import distributed_c10d
+
+    from trainer.observe import comm_bytes
+    from trainer.parallel.tensor_parallel import FUNCTIONAL_COLLECTIVES, count_functional_collectives
+
+    originals = {name: getattr(dist, name) for name in comm_bytes.DISTRIBUTED if hasattr(dist, name)}
+    funcol_originals = {name: getattr(funcol, name) for name in FUNCTIONAL_COLLECTIVES if hasattr(funcol, name)}
+    try:
+        comm_bytes.configure(False)
+        count_functional_collectives()  # what a torch-native strategy's setup calls: nothing while off
+        assert {name: getattr(dist, name) for name in originals} == originals
+        assert {name: getattr(funcol, name) for name in funcol_originals} == funcol_originals
+        assert not hasattr(distributed_c10d.all_reduce, "tessera_counted")
+        with comm_bytes.COUNTER.window():
+            comm_bytes.COUNTER.add("all_reduce", 40)  # torchft's reduction adds by hand
+        assert comm_bytes.COUNTER.take() is None
+
+        comm_bytes.configure(True)
+        count_functional_collectives()
+        assert dist.all_reduce.tessera_counted is originals["all_reduce"]
+        assert dist.all_reduce is distributed_c10d.all_reduce
+        assert funcol.all_reduce.tessera_counted is funcol_originals["all_reduce"]
+        comm_bytes.configure(True)  # a second run in the process: wrapped once
+        assert dist.all_reduce.tessera_counted is originals["all_reduce"]
+        with comm_bytes.COUNTER.window():
+            comm_bytes.COUNTER.add("all_reduce", 40)
+        assert comm_bytes.COUNTER.take() == {"comm_bytes": 40, "comm_bytes_by_kind": {"all_reduce": 40}}
+
+        comm_bytes.configure(False)
+        assert {name: getattr(dist, name) for name in originals} == originals
+        assert {name: getattr(distributed_c10d, name) for name in originals} == originals
+        assert {name: getattr(funcol, name) for name in funcol_originals} == funcol_originals
+    finally:
+        comm_bytes.uninstall()

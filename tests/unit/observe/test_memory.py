@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import compose_config
-from trainer.strategies.base import StateBytes
+from trainer.observe.model_states import StateBytes, state_bytes
 
 SMALL = ["model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
          "model.intermediate_size=128", "data.embedded_documents=400", "data.seq_len=32", "logging.progress=false",
@@ -57,12 +57,12 @@ def test_counts_are_exact_for_plain_strategies(build_run, strategy):
     params = list(run.strategy.unwrapped().parameters())
     param_bytes = sum(p.numel() * 4 for p in params)
 
-    before = run.strategy.model_state_bytes()
+    before = state_bytes(run.strategy)
     assert before["params"] == param_bytes
     assert before["grads"] == before["optimizer"] == before["master_params"] == before["gathered"] == 0
 
     _one_step_keeping_grads(run)
-    m = run.strategy.model_state_bytes()
+    m = state_bytes(run.strategy)
     assert m["params"] == param_bytes
     assert m["grads"] == param_bytes  # ddp: gradients are views into its buckets, each counted by its own bytes
     step_scalars = sum(st["step"].numel() * st["step"].element_size() for st in run.strategy.optimizer.state.values())
@@ -71,7 +71,7 @@ def test_counts_are_exact_for_plain_strategies(build_run, strategy):
     assert m["master_params"] == m["gathered"] == 0
 
     run.strategy.optimizer.zero_grad(set_to_none=True)
-    assert run.strategy.model_state_bytes()["grads"] == 0
+    assert state_bytes(run.strategy)["grads"] == 0
 
 
 def test_memory_report_and_mfu_of_a_run(build_run):
@@ -139,7 +139,7 @@ def test_fsdp_counts_local_shards_and_gathered_parameters(build_run):
     params = list(run.strategy.unwrapped().parameters())
     assert all(type(p).__name__ == "DTensor" for p in params)
     psi = sum(p.numel() for p in params)
-    before = run.strategy.model_state_bytes()
+    before = state_bytes(run.strategy)
     assert before["params"] == 4 * psi  # fp32 shards (the whole model at one rank)
     assert before["grads"] == before["optimizer"] == before["master_params"] == before["gathered"] == 0
     assert run.built_param_bytes == 0  # built on the meta device

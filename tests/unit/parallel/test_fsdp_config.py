@@ -8,7 +8,7 @@ import pytest
 from trainer.config import schema as C
 from trainer.run.build import check
 from tessera.errors import ConfigError
-from trainer.strategies import base
+from trainer.config import compat
 from trainer.strategies.torch_native import TorchNativeStrategy
 
 
@@ -78,7 +78,7 @@ def test_each_fsdp_problem_names_its_keys(compose, overrides, needles):
     _only_one(problems, *needles)
     assert len(problems) == 1, problems
     # the class alone says the same
-    assert any(all(n in p for n in needles) for p in TorchNativeStrategy.config_problems(compose(overrides), world))
+    assert any(all(n in p for n in needles) for p in compat.strategy_problems(TorchNativeStrategy, compose(overrides), world))
 
 
 def test_fsdp_problems_reported_together(compose):
@@ -144,17 +144,17 @@ def _no_compiler(monkeypatch, tmp_path):
 
 def test_compile_problems_without_a_cpp_compiler(monkeypatch, tmp_path):
     _no_compiler(monkeypatch, tmp_path)
-    problems = base.compile_problems("cpu")
+    problems = compat.compile_problems("cpu")
     assert len(problems) == 1
     assert "train.compile=true" in problems[0] and "C++ compiler" in problems[0]
     assert "'g++'" in problems[0] and "train.compile=false" in problems[0]
 
 
 def test_compile_problems_with_shutil_which_finding_nothing(monkeypatch):
-    monkeypatch.setattr(base.shutil, "which", lambda name, *a, **k: None)
+    monkeypatch.setattr(compat.shutil, "which", lambda name, *a, **k: None)
     monkeypatch.setenv("CXX", "my-cxx")
     monkeypatch.delenv("TORCH_INDUCTOR_INSTALL_GXX", raising=False)
-    problems = base.compile_problems("cpu")
+    problems = compat.compile_problems("cpu")
     assert len(problems) == 1 and "'my-cxx'" in problems[0] and "CXX" in problems[0]
 
 
@@ -168,17 +168,17 @@ def test_compile_problems_checks_the_compiler_inductor_runs(monkeypatch, tmp_pat
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.delenv("TORCH_INDUCTOR_INSTALL_GXX", raising=False)
     monkeypatch.delenv("CXX", raising=False)
-    assert base.compile_problems("cpu") == []  # g++ on PATH
+    assert compat.compile_problems("cpu") == []  # g++ on PATH
     monkeypatch.setenv("CXX", "clang++")
-    assert base.compile_problems("cpu") == []
+    assert compat.compile_problems("cpu") == []
     monkeypatch.setenv("CXX", str(tmp_path / "g++"))  # a full path
-    assert base.compile_problems("cpu") == []
+    assert compat.compile_problems("cpu") == []
     monkeypatch.setenv("CXX", "/no/such/c++")
-    problems = base.compile_problems("cpu")
+    problems = compat.compile_problems("cpu")
     assert len(problems) == 1 and "'/no/such/c++'" in problems[0]
     monkeypatch.delenv("CXX")
     (tmp_path / "g++").unlink()  # clang++ alone: inductor would not use it
-    problems = base.compile_problems("cpu")
+    problems = compat.compile_problems("cpu")
     assert len(problems) == 1 and "'g++'" in problems[0]
 
 
@@ -195,8 +195,8 @@ def test_check_reports_missing_compiler_with_other_problems(compose, monkeypatch
 
 
 def test_compile_problems_without_dynamo(monkeypatch):
-    monkeypatch.setattr(base.torch._dynamo, "is_dynamo_supported", lambda: False)
-    problems = base.compile_problems("cpu")
+    monkeypatch.setattr(compat.torch._dynamo, "is_dynamo_supported", lambda: False)
+    problems = compat.compile_problems("cpu")
     assert len(problems) == 1 and "train.compile=false" in problems[0]
 
 
@@ -204,10 +204,10 @@ def test_compile_problems_on_cuda_without_triton(monkeypatch):
     import torch.utils._triton as triton_utils
 
     monkeypatch.setattr(triton_utils, "has_triton", lambda: False)
-    problems = base.compile_problems("cuda")
+    problems = compat.compile_problems("cuda")
     assert len(problems) == 1 and "Triton" in problems[0] and "train.compile=false" in problems[0]
     monkeypatch.setattr(triton_utils, "has_triton", lambda: True)
-    assert base.compile_problems("cuda:0") == []
+    assert compat.compile_problems("cuda:0") == []
 
 
 def test_compile_false_is_never_checked(compose, monkeypatch, tmp_path):

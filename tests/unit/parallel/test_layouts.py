@@ -66,7 +66,7 @@ def test_explicit_fused_sgd_on_a_dtensor_strategy_is_a_config_problem():
 def test_gradient_square_sum_is_accumulated_in_fp64():
     """A large embedding-like gradient: the fp64 sum matches an fp64 recomputation to 1e-12, where a plain fp32
     sum of squares is measurably off."""
-    from trainer.strategies.base import grad_square_sum
+    from trainer.parallel.grad_norm import grad_square_sum
 
     torch.manual_seed(0)
     grads = [torch.randn(50_000, 64) * 1e-3, torch.randn(64), torch.randn(300, 300)]
@@ -79,7 +79,7 @@ def test_gradient_square_sum_is_accumulated_in_fp64():
 
 
 def test_gradient_square_sum_of_dtensors(one_rank_group):
-    from trainer.strategies.base import world_square_sum
+    from trainer.parallel.grad_norm import world_square_sum
 
     params = _dtensor_params()
     exact = sum(float(p.detach().full_tensor().double().pow(2).sum()) for p in params)

@@ -14,6 +14,7 @@ from tessera.errors import TesseraError
 from tests.conftest import compose_config
 from trainer.launch import choose as launch_plan
 from trainer.parallel.dims import ParallelDims
+from trainer.config import compat
 from trainer.strategies import strategy_class
 from trainer.parallel import replica_groups
 from trainer.parallel.replica_groups import ReplicaGroups
@@ -148,7 +149,7 @@ def test_launch_sh_starts_every_group_with_a_lighthouse_unless_one_group_is_name
 
 def _problems(overrides, world_size=2):
     cfg = compose_config(overrides)
-    return strategy_class(cfg.strategy.name).config_problems(cfg, world_size)
+    return compat.strategy_problems(strategy_class(cfg.strategy.name), cfg, world_size)
 
 
 @pytest.mark.parametrize("overrides,expected", [
@@ -184,5 +185,5 @@ def test_an_unreachable_lighthouse_is_an_error_at_once():
     t0 = time.perf_counter()
     with pytest.raises(TesseraError, match=rf"lighthouse at http://127.0.0.1:{port} \(strategy.lighthouse\) "
                                            r"cannot be reached"):
-        strategy_class("ddp").preflight(cfg)
+        compat.preflight(cfg)
     assert time.perf_counter() - t0 < 5

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import stop_worker  # tests/unit/resilience/stop_worker.py: the spawned ranks import it, not this module
-from trainer.strategies.base import to_device
+from trainer.run.loss import to_device
 
 
 @pytest.mark.parametrize("world_size,signal_rank", [(2, 1), (4, 2)])

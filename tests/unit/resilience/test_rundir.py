@@ -7,10 +7,10 @@ import subprocess
 import sys
 import textwrap
 import time
-from types import SimpleNamespace
 
 import pytest
 
+from trainer.checkpoint import resume_plan
 from trainer.resilience import rundir
 from tessera.errors import FaultError
 from trainer.observe.metrics import MetricsLogger, json_line, truncate_jsonl
@@ -18,9 +18,9 @@ from trainer.observe.metrics import MetricsLogger, json_line, truncate_jsonl
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def cfg(resume="none", overwrite=False, weights_only=False):
-    return SimpleNamespace(checkpoint=SimpleNamespace(resume=resume, overwrite=overwrite,
-                                                      load_weights_only=weights_only))
+def claim(run_dir, resume="none", overwrite=False, weights_only=False):
+    run_dir = str(run_dir)
+    rundir.claim(run_dir, resume_plan.plan_for(resume, weights_only, run_dir), overwrite)
 
 
 @pytest.fixture(autouse=True)
@@ -133,36 +133,40 @@ def test_hydra_files_lock_empty_logs_and_earlier_moves_are_no_run(tmp_path):
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "previous-20240101-000000" / "checkpoints" / "step_2").mkdir(parents=True)
     assert rundir.leftovers(str(tmp_path)) == []
-    rundir.claim(cfg(), str(tmp_path))
+    claim(tmp_path)
 
 
 def test_which_launches_continue_the_run(tmp_path):
     d = str(tmp_path)
-    assert rundir.continues(cfg("auto"), d)
-    assert rundir.continues(cfg(str(tmp_path / "checkpoints" / "step_2")), d)
-    assert not rundir.continues(cfg("none"), d)
-    assert not rundir.continues(cfg(str(tmp_path / "checkpoints" / "step_2"), weights_only=True), d)
-    assert not rundir.continues(cfg("/elsewhere/checkpoints/step_2"), d)
+
+    def continues(resume, weights_only=False):
+        return resume_plan.plan_for(resume, weights_only, d).continues_run
+
+    assert continues("auto")
+    assert continues(str(tmp_path / "checkpoints" / "step_2"))
+    assert not continues("none")
+    assert not continues(str(tmp_path / "checkpoints" / "step_2"), weights_only=True)
+    assert not continues("/elsewhere/checkpoints/step_2")
 
 
 def test_new_run_is_refused_and_nothing_changes(tmp_path):
     d = old_run(tmp_path / "run")
     listing = sorted((str(p), p.stat().st_mtime_ns) for p in d.rglob("*"))
     with pytest.raises(rundir.RunDirError) as e:
-        rundir.claim(cfg(), str(d))
+        claim(d)
     msg = str(e.value)
     assert e.value.exit_code == 2 and str(d) in msg and "checkpoints/step_2, metrics.jsonl" in msg
     for way in ("checkpoint.resume=auto", "hydra.run.dir", "checkpoint.overwrite=true"):
         assert way in msg
     assert sorted((str(p), p.stat().st_mtime_ns) for p in d.rglob("*") if p.name != ".lock") == listing
     assert not rundir.held()  # the refused launch let the lock go
-    rundir.claim(cfg("auto"), str(d))  # continuing is fine
+    claim(d, "auto")  # continuing is fine
 
 
 def test_overwrite_moves_the_old_run_aside(tmp_path):
     d = old_run(tmp_path / "run")
     (d / "previous-20240101-000000").mkdir()
-    rundir.claim(cfg(overwrite=True), str(d))
+    claim(d, overwrite=True)
     prev = [p for p in d.iterdir() if p.name.startswith("previous-") and p.name != "previous-20240101-000000"]
     assert len(prev) == 1
     assert sorted(p.name for p in prev[0].iterdir()) == ["checkpoints", "config.yaml", "metrics.jsonl"]
@@ -176,8 +180,8 @@ def test_other_ranks_refuse_the_same_and_never_move(tmp_path, monkeypatch):
     d = old_run(tmp_path / "run")
     monkeypatch.setenv("RANK", "1")
     with pytest.raises(rundir.RunDirError, match="checkpoint.overwrite=true"):
-        rundir.claim(cfg(), str(d))
-    rundir.claim(cfg(overwrite=True), str(d))
+        claim(d)
+    claim(d, overwrite=True)
     assert rundir.leftovers(str(d)) == ["checkpoints/step_2", "metrics.jsonl"]  # only rank 0 moves
     assert not rundir.held()
 
@@ -187,10 +191,9 @@ def test_other_ranks_refuse_the_same_and_never_move(tmp_path, monkeypatch):
 HOLDER = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {repo!r})
-    from types import SimpleNamespace
+    from trainer.checkpoint import resume_plan
     from trainer.resilience import rundir
-    rundir.claim(SimpleNamespace(checkpoint=SimpleNamespace(resume="none", overwrite=False,
-                                                            load_weights_only=False)), sys.argv[1])
+    rundir.claim(sys.argv[1], resume_plan.plan_for("none", False, sys.argv[1]), False)
     print("locked", flush=True)
     time.sleep(float(sys.argv[2]))
 """)
@@ -213,20 +216,20 @@ def test_a_live_job_holds_the_lock_and_a_dead_one_never_blocks(tmp_path, monkeyp
         body = json.loads((d / ".lock").read_text())
         assert body["pid"] == proc.pid and body["host"] and body["since"] and "python" in body["command"]
         with pytest.raises(rundir.RunDirError) as e:
-            rundir.claim(cfg("auto"), str(d))
+            claim(d, "auto")
         assert f"pid {proc.pid} on host {body['host']}" in str(e.value) and str(d) in str(e.value)
         assert e.value.exit_code == 2
         monkeypatch.setenv("RANK", "1")  # another job's rank 1 sees it too (not its own rank 0)
         monkeypatch.setenv("WORLD_SIZE", "2")
         with pytest.raises(rundir.RunDirError, match=f"pid {proc.pid}"):
-            rundir.claim(cfg("auto"), str(d))
+            claim(d, "auto")
         monkeypatch.setenv("RANK", "0")
         monkeypatch.setenv("WORLD_SIZE", "1")
     finally:
         proc.kill()
         proc.wait()
     t0 = time.perf_counter()
-    rundir.claim(cfg("auto"), str(d))  # the dead holder's lock (file and body still there) does not block
+    claim(d, "auto")  # the dead holder's lock (file and body still there) does not block
     assert time.perf_counter() - t0 < 1.0
     assert json.loads((d / ".lock").read_text())["pid"] == os.getpid()
     rundir.release(str(d))
@@ -236,8 +239,8 @@ def test_a_live_job_holds_the_lock_and_a_dead_one_never_blocks(tmp_path, monkeyp
 def test_rank_1_of_the_same_job_accepts_its_rank_0(tmp_path, monkeypatch):
     d = tmp_path / "run"
     d.mkdir()
-    rundir.claim(cfg(), str(d))  # "rank 0" here: this process, as a lone job
+    claim(d)  # "rank 0" here: this process, as a lone job
     monkeypatch.setattr(rundir, "job_token", lambda: json.loads((d / ".lock").read_text())["job"])
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setattr(rundir, "OTHER_RANK_WAIT_S", 0.3)
-    rundir.claim(cfg(), str(d))  # as rank 1: the lock is held (flock of another open file), by its own job: fine
+    claim(d)  # as rank 1: the lock is held (flock of another open file), by its own job: fine

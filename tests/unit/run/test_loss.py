@@ -12,7 +12,7 @@ from trainer.data.datasets import IGNORE
 from trainer.run.optim import build_optimizer
 from trainer.parallel.dims import ParallelDims
 from trainer.run.precision import Precision
-from trainer.strategies.base import token_loss_sum
+from trainer.run.loss import token_loss_sum
 from trainer.strategies.single import SingleStrategy
 
 L = 16  # sequence length

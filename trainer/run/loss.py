@@ -1,0 +1,51 @@
+"""The loss of a batch, as every strategy computes it: the sum of next-token cross-entropies over the target tokens
+(normalised by the global batch's target count by the caller, never a mean of per-micro-batch means), per task
+for mixtures, and the batch's copy onto the device."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from models.packing import PackedForward
+from trainer.data.datasets import IGNORE
+
+PACKED_FORWARD = PackedForward()  # one per process: the first packed batch checks the model
+
+
+def token_loss_sum(model, batch: dict, precision, tasks=None) -> torch.Tensor:
+    """Sum of next-token cross-entropies over the micro-batch's target tokens (fp32). With `tasks` (TaskLosses)
+    and rows that carry their task (data.kind=mixture), each row's sum is also added to its task's."""
+    with precision.autocast():
+        if "position_ids" in batch:  # data.packing=documents: attention stays inside each packed document
+            logits = PACKED_FORWARD(model, batch["input_ids"], batch["position_ids"]).logits
+        else:
+            logits = model(input_ids=batch["input_ids"], use_cache=False).logits
+    labels = batch["labels"]
+    if tasks is None or "task" not in batch:
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+    per_token = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
+                                reduction="none").view(labels.shape)
+    tasks.add(per_token.detach().sum(1), (labels != IGNORE).sum(1), batch["task"])
+    return per_token.sum()
+
+
+class TaskLosses:
+    """Per-task token-loss sums and target-token counts of this rank's rows (data.kind=mixture), fp64."""
+
+    def __init__(self, num_tasks: int, device: torch.device):
+        self.sums = torch.zeros(num_tasks, 2, dtype=torch.float64, device=device)
+
+    def add(self, row_losses: torch.Tensor, row_tokens: torch.Tensor, task: torch.Tensor) -> None:
+        self.sums.index_add_(0, task.to(self.sums.device), torch.stack([row_losses.double(), row_tokens.double()], 1))
+
+    def reset(self) -> None:
+        self.sums.zero_()
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host batch tensor onto the device without waiting for it: CUDA drains the stream before a copy from
+    pageable memory, so the host could not queue the next micro-batch while the device computes; a copy from
+    page-locked memory is queued like a kernel."""
+    if device.type != "cpu" and not tensor.is_pinned():
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
