@@ -186,7 +186,7 @@ def run_job(job: str, layout: str, models_dir, out: Path, rank: int, store=None,
         phase("prepare")
         prepared = B.prepare(cfg, str(run_dir))
         phase("build")
-        if store is not None and prepared.strategy_cls.needs_process_group:
+        if store is not None and prepared.strategy_cls.capabilities.needs_process_group:
             _init_process_group(store, f"pg/{job}", rank, world)
         try:
             run = B.build(prepared)

@@ -9,6 +9,7 @@ import torch
 
 from models.lora import ADAPTER_WEIGHTS
 from tessera.errors import DivergenceError
+from trainer.run.precision import DTYPES
 
 
 def write_hf_folder_streaming(config, tokenizer, out_dir: str, named_tensors, writer: bool,
@@ -136,10 +137,9 @@ def _export_torch_dtype(dtype):
     """fp32 / bf16 / fp16 (export.dtype) or a torch dtype -> torch dtype; None stays None."""
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
-    names = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    if dtype not in names:
-        raise ValueError(f"export dtype {dtype!r} is not one of {', '.join(names)}")
-    return names[dtype]
+    if dtype not in DTYPES:
+        raise ValueError(f"export dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
 
 
 def _stamp_config_dtype(folder: str, dtype: torch.dtype) -> None:

@@ -1,5 +1,8 @@
-"""The strategy interface. A strategy turns a model into a parallel model and owns backward, the optimizer
-step, gradient-norm computation and state/export specifics. The training loop talks only to this interface.
+"""The strategy interface: the parallelism only. A strategy turns a model into a parallel model and owns
+forward/backward, the optimizer step, the gradient norm, the data-parallel reductions, the state it saves and loads,
+and the full tensors an export writes. What it runs with is its Capabilities (checked by trainer/config/compat.py);
+its memory figures, planner estimate and live export are functions in trainer/observe/, trainer/planner/ and
+trainer/exporting/. The training loop talks only to this interface and the run's services.
 """
 from __future__ import annotations
 
@@ -132,7 +135,7 @@ class Strategy:
             batch = {k: to_device(v, self.device) for k, v in batch.items()}
             with self.accumulation_context(i == len(micro_batches) - 1):
                 ce_sum = token_loss_sum(self.model, batch, self.precision, self.tasks)
-                # a local-SGD / DiLoCo worker's gradient stands for all the workers' (strategies/sync.py)
+                # a local-SGD / DiLoCo worker's gradient stands for all the workers' (trainer/parallel/sync.py)
                 self.backward(ce_sum / num_target_tokens if scale == 1.0 else ce_sum * scale / num_target_tokens)
             total += ce_sum.detach()
         return total

@@ -2,9 +2,9 @@
 `hsdp` (FSDP2), `tp`, `pp`, and the hybrids `fsdp_tp` (2-D), `pp_fsdp` (2-D) and `3d` (pp x fsdp x tp).
 
 Each parallelism is one function, applied in order as torchtitan does: the model (parameters on the meta device)
-is cut into pipeline stages (strategies/pipeline.py), each stage's modules are split by the model's
-tensor-parallel plan (strategies/tensor_parallel.py `apply_tp`), and each stage is sharded over the
-data-parallel ranks with FSDP2 (strategies/fsdp.py `apply_fsdp`) when FSDP is on; then shards are allocated and
+is cut into pipeline stages (trainer/parallel/pipeline.py), each stage's modules are split by the model's
+tensor-parallel plan (trainer/parallel/tensor_parallel.py `apply_tp`), and each stage is sharded over the
+data-parallel ranks with FSDP2 (trainer/parallel/fsdp.py `apply_fsdp`) when FSDP is on; then shards are allocated and
 filled, one block of seeded weights or one pretrained tensor's slice at a time. Activation checkpointing and
 compile (`Strategy.prepare_blocks`) go on each stage's decoder blocks after tensor parallelism, before FSDP.
 
@@ -283,7 +283,7 @@ class TorchNativeStrategy(Strategy):
         if d.tp_enabled and not self.fsdp_enabled:
             grads_in_param_layout(part)
 
-    # ---- local SGD / DiLoCo across hsdp's replica groups (strategies/sync.py) ------------------------------------
+    # ---- local SGD / DiLoCo across hsdp's replica groups (trainer/parallel/sync.py) -----------------------
     def _attach_periodic_sync(self, replicate_group) -> None:
         """Each replica group is a worker; rank i of every group holds the same shard, so the workers' shards are
         synchronised over the replicate dimension. They start from group 0's values, as every_step's would."""

@@ -1,4 +1,4 @@
-"""The memory report (logging.memory_report, trainer/observe/memory.py + Strategy.model_state_bytes) on the in-process
+"""The memory report (logging.memory_report, trainer/observe/memory.py + trainer/observe/model_states.py) on the in-process
 strategies (single, ddp and fsdp at one rank): exact byte counts through public APIs, the first-step probes and
 memory.json, nothing of it when the key is off; and MFU in metrics.jsonl with logging.peak_tflops."""
 from __future__ import annotations

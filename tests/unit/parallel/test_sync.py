@@ -1,4 +1,4 @@
-"""strategies/sync.py on one worker (no process group): DiLoCo's outer Nesterov step against its formula, the
+"""trainer/parallel/sync.py on one worker (no process group): DiLoCo's outer Nesterov step against its formula, the
 overlapped round applied one round late without losing progress, and the state a checkpoint keeps."""
 from __future__ import annotations
 
