@@ -3,7 +3,6 @@ only by the strategy registry and the strategies themselves."""
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 from tests.conftest import REPO
 
@@ -46,7 +45,7 @@ def test_only_the_strategies_compare_strategy_names():
     assert not found, f"strategy.name compared outside trainer/strategies/ (ask the strategy's capabilities): {found}"
 
 
-def test_the_name_check_sees_a_comparison(tmp_path):
+def test_the_name_check_sees_a_comparison():
     assert _compares_a_strategy_name(ast.parse('cfg.strategy.name == "hsdp"', mode="eval").body)
     assert _compares_a_strategy_name(ast.parse('s.name in ("zero1", "zero2")', mode="eval").body)
     assert not _compares_a_strategy_name(ast.parse('cfg.optim.name == "adamw"', mode="eval").body)

@@ -126,6 +126,10 @@ def native_layout(strategy) -> dict:
     return {} if layout is None else {"fsdp": layout}
 
 
+LAYOUTS = {TorchNativeStrategy: native_layout}  # the strategies whose memory.json explains its figures
+
+
 def memory_layout(strategy) -> dict:
     """Extra top-level entries for memory.json that explain the figures."""
-    return native_layout(strategy) if isinstance(strategy, TorchNativeStrategy) else {}
+    layout = LAYOUTS.get(type(strategy))
+    return layout(strategy) if layout is not None else {}
