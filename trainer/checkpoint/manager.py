@@ -340,10 +340,15 @@ class CheckpointManager:
     """save(step) / load(path, weights_only) / wait() / close(). The strategy saves and loads the model and
     optimizer tensors; `states` (name -> Stateful: "progress", the train state's counters; "loader", the data
     position; "scheduler"; "precision", the loss scaler; "rng", this rank's generators) are saved and restored
-    each through its own state_dict() / load_state_dict(), where PROGRESS / RNG above say."""
+    each through its own state_dict() / load_state_dict(), where PROGRESS / RNG above say; `rank_states` keep what
+    only their rank holds (local_state() / load_local_state(): local/rank_<r>.pt)."""
 
-    def __init__(self, run_dir: str, strategy, states: Dict[str, object], identity: RunIdentity, logger):
+    def __init__(self, run_dir: str, strategy, states: Dict[str, object], identity: RunIdentity, logger,
+                 rank_states: Optional[List[object]] = None):
         self.strategy, self.states = strategy, dict(states)
+        # what only this rank holds (local_state() / load_local_state(), one file per rank, same world size only):
+        # the strategy's (PowerSGD's error feedback, a local-SGD worker's weights), then the run's synchronisation's
+        self.rank_states = list(rank_states) if rank_states is not None else [strategy]
         self.progress = self.states[PROGRESS]
         self.identity, self.logger = identity, logger
         self.cfg = identity.cfg.checkpoint
@@ -391,7 +396,7 @@ class CheckpointManager:
             self._barrier()  # the folder exists before any rank writes into it
             if RNG in self.states:
                 torch.save(self.states[RNG].state_dict(), os.path.join(tmp, "rng", f"rank_{self.rank}.pt"))
-            local = self.strategy.local_state()
+            local = {k: v for s in self.rank_states for k, v in s.local_state().items()}
             if local:  # rank 0 made the folder before the barrier
                 torch.save(local, os.path.join(tmp, "local", f"rank_{self.rank}.pt"))
             future = self.strategy.save_checkpoint_state(tmp, self.group, self.cfg.async_save)
@@ -560,9 +565,10 @@ class CheckpointManager:
         world_size = self.strategy.dims.world_size
         local_file = os.path.join(path, "local", f"rank_{self.rank}.pt")
         same_layout = meta["world_size"] == world_size and os.path.isfile(local_file)
-        notice = self.strategy.load_local_state(load_tensors(local_file, "rank state file") if same_layout else None)
-        if notice:
-            self.logger.info(f"resume: {notice}")
+        local = load_tensors(local_file, "rank state file") if same_layout else None
+        for notice in [s.load_local_state(local) for s in self.rank_states]:  # in order: the worker's weights first
+            if notice:
+                self.logger.info(f"resume: {notice}")
         self.last_saved_step = self.progress.step
         change = "" if meta["world_size"] == world_size else \
             f" (saved at world size {meta['world_size']}, now {world_size})"

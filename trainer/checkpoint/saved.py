@@ -13,3 +13,17 @@ class SavedCheckpoint:
     param_groups: list  # the optimizer's saved param groups (hyper-parameters per group, rank 0's names)
     dp_size: Optional[int]  # the data-parallel size that saved it (None: not recorded)
     scratch_dir: str  # a folder beside the checkpoints for conversions the strategy may need
+
+
+def groups_by_name(saved: list, mine: list) -> list:
+    """The saved optimizer param groups' hyper-parameters under this rank's parameter names (`mine`). Rank 0 wrote
+    the groups with its own names; where ranks hold different parameters (pipeline stages) a group is matched by a
+    shared name, else by its weight decay (the only hyper-parameter that tells Tessera's groups apart)."""
+    out = []
+    for group in mine:
+        names = set(group["params"])
+        match = next((g for g in saved if names & set(g["params"])), None)
+        if match is None:
+            match = next((g for g in saved if g.get("weight_decay") == group.get("weight_decay")), group)
+        out.append(dict(match, params=list(group["params"])))
+    return out

@@ -23,48 +23,94 @@ round (`local_state`), so a resumed run continues exactly; the shared "model" te
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
 
+@dataclass
+class Worker:
+    """A local-SGD / DiLoCo worker as a strategy lays it out (`Strategy.local_worker`): the tensors it trains on
+    this rank (plain tensors: a DTensor gives its local shard), the group that synchronises them with the other
+    workers' (None: one worker) and the number of workers."""
+
+    params: Dict[str, torch.Tensor]
+    group: object
+    size: int
+
+
+class EveryStep:
+    """sync=every_step: the strategy reduces the gradients of every step; nothing happens around the loop."""
+
+    grad_weight = 1.0
+
+    def after_step(self, step: int) -> None:
+        pass
+
+    def local_state(self) -> dict:
+        return {}
+
+    def load_local_state(self, state) -> str:
+        return ""
+
+
+def synchronisation(cfg, strategy):
+    """The run's synchronisation context (torchtitan's semi-sync pattern): PeriodicSync over the strategy's local
+    worker when sync= is local_sgd or diloco, else EveryStep. The loop weighs the gradient with `grad_weight` and
+    calls `after_step(step)` after every step it takes; the checkpoint keeps `local_state()` per rank."""
+    worker = strategy.local_worker()
+    return EveryStep() if worker is None else PeriodicSync(cfg, worker)
+
+
 class PeriodicSync:
-    def __init__(self, cfg, named_params: Dict[str, torch.Tensor], group, workers: int):
+    def __init__(self, cfg, worker: Worker):
         self.cfg = cfg.sync
         self.mode = self.cfg.name
         self.every = self.cfg.every
         self.overlap = self.cfg.overlap
-        self.group, self.workers = group, workers
-        self.params = named_params  # name -> this worker's tensor (a plain tensor: DTensors give their shard)
-        self.steps = 0  # optimizer steps taken since training began (boundaries: multiples of sync.every)
+        self.group, self.workers = worker.group, worker.size
+        self.params = worker.params  # name -> this worker's tensor
+        self._start_from_worker_zero()
         self.anchor: Optional[Dict[str, torch.Tensor]] = None
         self.outer = None
         self.sent: Optional[Dict[str, torch.Tensor]] = None  # overlap: the weights when the round in flight left
         self.inflight = None  # overlap: (work or None, summed flat buffer) of the round in flight
         if self.overlap:
-            self.sent = {n: p.detach().float().clone() for n, p in named_params.items()}
+            self.sent = {n: p.detach().float().clone() for n, p in self.params.items()}
         if self.uses_anchor:
-            self.anchor = {n: p.detach().clone().float() for n, p in named_params.items()}
+            self.anchor = {n: p.detach().clone().float() for n, p in self.params.items()}
             for t in self.anchor.values():
                 t.requires_grad_(True)
             lr, momentum = (1.0, 0.0) if self.mode == "local_sgd" else (self.cfg.outer_lr, self.cfg.outer_momentum)
             self.outer = torch.optim.SGD(list(self.anchor.values()), lr=lr, momentum=momentum,
                                          nesterov=momentum > 0)
 
+    @torch.no_grad()
+    def _start_from_worker_zero(self) -> None:
+        """Every worker starts from one model (worker 0's), as every_step's replicas do."""
+        if self.workers > 1:
+            src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+            for t in self.params.values():
+                dist.broadcast(t, src=src, group=self.group)
+
     @property
     def uses_anchor(self) -> bool:
         return self.mode == "diloco" or self.overlap
 
-    def loss_scale(self) -> float:
+    @property
+    def grad_weight(self) -> float:
+        """A worker's gradient stands for all the workers' (its loss is its share's sum over the global batch's
+        target tokens, times the number of workers)."""
         return float(self.workers)
 
     # ---- the boundary ------------------------------------------------------------------------------------
     @torch.no_grad()
-    def after_step(self) -> None:
-        """After each optimizer step of this worker: synchronise on every sync.every-th."""
-        self.steps += 1
-        if self.steps % self.every:
+    def after_step(self, step: int) -> None:
+        """After every step the loop takes (`step`: steps done, whether or not this worker's update was skipped,
+        so all workers meet at the same boundaries): synchronise on every sync.every-th."""
+        if step % self.every:
             return
         if not self.uses_anchor:
             flat = self._flat(self.params.values())
@@ -119,8 +165,16 @@ class PeriodicSync:
             offset += n
 
     # ---- checkpoint: this worker's own state -----------------------------------------------------------------
+    def local_state(self) -> dict:
+        """What this rank's checkpoint file keeps for the synchronisation (beside the strategy's own: the worker's
+        weights and optimizer state)."""
+        return {"sync": self.state_dict()}
+
+    def load_local_state(self, state) -> str:
+        return self.load_state_dict(None if state is None else state.get("sync"))
+
     def state_dict(self) -> dict:
-        state = {"steps": torch.tensor(self.steps)}
+        state = {}
         if self.anchor is not None:
             state["anchor"] = {n: t.detach() for n, t in self.anchor.items()}
             momentum = {}
@@ -148,7 +202,6 @@ class PeriodicSync:
                     self.sent[n].copy_(p)
             return (f"sync={self.mode}: no state of this worker in the checkpoint (another world size): every "
                     f"worker starts from the checkpoint's model; the outer momentum starts at zero")
-        self.steps = int(state["steps"])
         if self.anchor is not None:
             for n, t in self.anchor.items():
                 t.data.copy_(state["anchor"][n])

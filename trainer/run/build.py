@@ -29,6 +29,7 @@ from trainer.config import schema as C
 from trainer.observe import comm_bytes
 from trainer.parallel import dims as parallel
 from trainer.parallel import replica_groups
+from trainer.parallel.sync import EveryStep, synchronisation
 from trainer.launch import restarts
 from trainer.resilience import rundir
 from trainer.resilience import watchdog
@@ -176,6 +177,8 @@ class Run:
     stopped_by: str = ""
     # torchft replica groups around the loop (trainer/parallel/replica_groups.py), or their null object
     ft: object = field(default_factory=replica_groups.NoFaultTolerance)
+    # local SGD / DiLoCo around the loop (trainer/parallel/sync.py), or EveryStep
+    sync: object = field(default_factory=EveryStep)
     watchdog: object = field(default_factory=watchdog.Unwatched)  # trainer/resilience/watchdog.py: progress, heartbeats
     # export.snapshot_every (trainer/exporting/snapshots.py); off unless build() sets it from the config
     snapshots: Snapshots = field(default_factory=lambda: Snapshots("", 0, 2, writes=False))
@@ -198,7 +201,8 @@ def build(p: Prepared) -> Run:
     if p.data.tasks:
         strategy.track_tasks(len(p.data.tasks))
     run = Run(cfg, p.run_dir, TrainState(), strategy, p.data, sampler, scheduler, p.tokenizer, facts, logger,
-              device, p.resume, watchdog=watch, ft=replica_groups.fault_tolerance(cfg, strategy))
+              device, p.resume, watchdog=watch, ft=replica_groups.fault_tolerance(cfg, strategy),
+              sync=synchronisation(cfg, strategy))
     run.checkpointer = _checkpointer(p, run)
     _resume(run)
     run.stop = StopRequest()
@@ -299,7 +303,8 @@ def _checkpointer(p: Prepared, run: Run) -> ckpt.CheckpointManager:
                        lambda meta: ckpt.check_peer_identity(meta, identity, strategy))
     run.ft.share_state("progress", run.state.state_dict, run.state.load_state_dict)
     run.ft.share_state("scheduler", run.scheduler.state_dict, run.scheduler.load_state_dict)
-    return ckpt.CheckpointManager(p.run_dir, strategy, train_states(run), identity, run.logger)
+    return ckpt.CheckpointManager(p.run_dir, strategy, train_states(run), identity, run.logger,
+                                  rank_states=[strategy, run.sync])
 
 
 def _resume(run: Run) -> None:

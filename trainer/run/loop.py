@@ -112,8 +112,9 @@ def train_step(run, comm):
     micro_batches = [run.data.train.get(pos) for pos in positions]
     lr = strategy.optimizer.param_groups[0]["lr"]
     with comm.window():  # the step's collectives: comm_bytes
-        loss_sum = strategy.forward_backward(micro_batches, n_target)
+        loss_sum = strategy.forward_backward(micro_batches, n_target, run.sync.grad_weight)
         grad_norm, skipped = run.ft.optimizer_step(strategy, loss_sum, micro_batches, n_target, t.grad_clip)
+        run.sync.after_step(k + 1)  # local SGD / DiLoCo: the workers meet every sync.every steps
     if not run.ft.committed():  # not taken (a replica group failed during it): the same step again
         return RETRY
     run.scheduler.step()

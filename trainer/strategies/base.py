@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from models.init import copy_full_tensors
 from models.lora import full_tensors
 from trainer.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner
-from trainer.checkpoint.saved import SavedCheckpoint
+from trainer.checkpoint.saved import SavedCheckpoint, groups_by_name
 from trainer.parallel.blocks import apply_activation_checkpointing, apply_compile
 from trainer.parallel.grad_norm import clip_to_norm, grad_square_sum
 from trainer.run.loss import TaskLosses, to_device, token_loss_sum
@@ -36,7 +36,9 @@ class Strategy:
         self.model = None
         self.optimizer = None
         self.skip_nonfinite = cfg.train.on_nonfinite == "skip"
-        self.sync = None  # local SGD / DiLoCo (trainer/parallel/sync.py), attached by setup with sync != every_step
+        # sync=local_sgd|diloco: each data-parallel replica trains on its own between synchronisations (the run's
+        # trainer/parallel/sync.py context); the strategy then reduces no gradients across replicas
+        self.independent_replicas = cfg.sync.name != "every_step"
         self.tasks = None  # TaskLosses of the step in progress (data.kind=mixture; track_tasks)
         self.adapters = None  # peft=lora: models.lora.Adapters of the model (set before setup)
 
@@ -123,20 +125,26 @@ class Strategy:
         synchronization on all but the last micro-batch."""
         return nullcontext()
 
-    def forward_backward(self, micro_batches: List[dict], num_target_tokens: int) -> torch.Tensor:
+    def local_worker(self):
+        """With independent replicas: this rank's trainer/parallel/sync.Worker (what it trains, the group of the
+        workers); else None."""
+        return None
+
+    def forward_backward(self, micro_batches: List[dict], num_target_tokens: int,
+                         grad_weight: float = 1.0) -> torch.Tensor:
         """Forward and backward over this rank's micro-batches. The loss of the step is the sum of token
         cross-entropies over the global batch divided by its target-token count, so each micro-batch's sum is
-        divided by the global count (never a mean of per-micro-batch means). Returns the local CE sum."""
+        divided by the global count (never a mean of per-micro-batch means), times `grad_weight` (a local-SGD
+        worker's gradient stands for all the workers'). Returns the local CE sum."""
         total = torch.zeros((), device=self.device)
-        scale = self.sync.loss_scale() if self.sync is not None else 1.0
         if self.tasks is not None:
             self.tasks.reset()
         for i, batch in enumerate(micro_batches):
             batch = {k: to_device(v, self.device) for k, v in batch.items()}
             with self.accumulation_context(i == len(micro_batches) - 1):
                 ce_sum = token_loss_sum(self.model, batch, self.precision, self.tasks)
-                # a local-SGD / DiLoCo worker's gradient stands for all the workers' (trainer/parallel/sync.py)
-                self.backward(ce_sum / num_target_tokens if scale == 1.0 else ce_sum * scale / num_target_tokens)
+                self.backward(ce_sum / num_target_tokens if grad_weight == 1.0 else
+                              ce_sum * grad_weight / num_target_tokens)
             total += ce_sum.detach()
         return total
 
@@ -159,8 +167,6 @@ class Strategy:
             return norm, True
         skipped = self.precision.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
-        if self.sync is not None:
-            self.sync.after_step()
         return norm, skipped
 
     @torch.no_grad()
@@ -201,7 +207,8 @@ class Strategy:
 
     def local_state(self) -> dict:
         """State of this rank alone that the checkpoint keeps beside the shared tensors (a dict of tensors, saved
-        as local/rank_<r>.pt): PowerSGD's error feedback, a local-SGD worker's own weights. Default: none."""
+        as local/rank_<r>.pt): PowerSGD's error feedback, a local-SGD worker's own weights and optimizer state.
+        Default: none."""
         return {}
 
     def load_local_state(self, state) -> str:
@@ -219,7 +226,7 @@ class Strategy:
         # Local SGD / DiLoCo workers hold different values under one name: DCP writes each name from one of
         # the ranks that hold it, by default whichever has written least; the lowest rank, worker 0, here, so
         # the checkpoint's model is one worker's whole model, never a mix.
-        planner = DefaultSavePlanner(dedup_save_to_lowest_rank=self.sync is not None)
+        planner = DefaultSavePlanner(dedup_save_to_lowest_rank=self.independent_replicas)
         if async_save:
             return dcp.async_save(state, checkpoint_id=folder, process_group=group, no_dist=group is None,
                                   planner=planner)
@@ -238,23 +245,9 @@ class Strategy:
         if param_groups is None:
             set_model_state_dict(self.model, state["model"], options=options)
             return
+        groups = groups_by_name(param_groups, self.optimizer_param_groups())  # rank 0 saved them under its names
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict={"state": state["optim"], "param_groups": self._my_groups(param_groups)},
-                       options=options)
-
-    def _my_groups(self, saved: list) -> list:
-        """The saved param groups' hyper-parameters under this rank's parameter names. Rank 0 wrote the groups
-        with its own names; where ranks hold different parameters (pipeline stages) a group is matched by a
-        shared name, else by its weight decay (the only hyper-parameter that tells Tessera's groups apart)."""
-        mine = self.optimizer_param_groups()
-        out = []
-        for group in mine:
-            names = set(group["params"])
-            match = next((g for g in saved if names & set(g["params"])), None)
-            if match is None:
-                match = next((g for g in saved if g.get("weight_decay") == group.get("weight_decay")), group)
-            out.append(dict(match, params=list(group["params"])))
-        return out
+                       optim_state_dict={"state": state["optim"], "param_groups": groups}, options=options)
 
     # ---- the memory report (logging.memory_report: trainer/observe/) ----------------------------------------
     def watch_memory(self, snap) -> list:

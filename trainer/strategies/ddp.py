@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trainer.strategies.capabilities import Capabilities
 from trainer.strategies.base import Strategy
-from trainer.parallel.sync import PeriodicSync
+from trainer.parallel.sync import Worker
 
 COMM_HOOKS = ("none", "bf16", "fp16", "powersgd")
 
@@ -140,15 +140,9 @@ class DDPStrategy(Strategy):
         model = model.to(self.device)
         s = self.cfg.strategy
         self.powersgd, self.ddp = None, None
-        if self.cfg.sync.name != "every_step":
-            # Local SGD / DiLoCo: each rank is a worker with its own copy, synchronised every sync.every steps.
-            group = self.dp_group()
-            for p in model.parameters():  # start from one model, as DDP does
-                dist.broadcast(p.data, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+        if self.independent_replicas:
+            # Local SGD / DiLoCo: each rank is a worker with its own copy (trainer/parallel/sync.py synchronises)
             self.model = model
-            # what trains (peft=lora: the adapters; the frozen base is the same on every worker)
-            self.sync = PeriodicSync(self.cfg, {n: p for n, p in model.named_parameters() if p.requires_grad}, group,
-                                     dist.get_world_size(group))
         else:
             bucket_cap_mb = s.bucket_cap_mb
             if s.comm_hook == "powersgd" and dist.get_backend(self.dp_group()) == "gloo":
@@ -178,11 +172,19 @@ class DDPStrategy(Strategy):
             self.powersgd = PowerSGD(group, names, s.powersgd_rank, s.powersgd_warmup_steps, self.cfg.train.seed)
             self.ddp.register_comm_hook(self.powersgd.state, summing(self.powersgd.hook, world))
 
+    def local_worker(self):
+        if not self.independent_replicas:
+            return None
+        group = self.dp_group()
+        # what trains (peft=lora: the adapters; the frozen base is the same on every worker)
+        return Worker({n: p for n, p in self.model.named_parameters() if p.requires_grad}, group,
+                      dist.get_world_size(group))
+
     def local_state(self) -> dict:
         if self.powersgd is not None:
             return {"powersgd": self.powersgd.state_dict()}
-        if self.sync is not None:  # this worker's weights and optimizer state differ from the others'
-            return {"sync": self.sync.state_dict(), "weights": {n: p.detach() for n, p in self.sync.params.items()},
+        if self.independent_replicas:  # this worker's weights and optimizer state differ from the others'
+            return {"weights": {n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad},
                     "optimizer": self.optimizer.state_dict()}
         return {}
 
@@ -191,14 +193,12 @@ class DDPStrategy(Strategy):
             if state is None or "powersgd" not in state:
                 return "PowerSGD's error feedback starts empty (the checkpoint has none for this rank)"
             self.powersgd.load_state_dict(dict(state["powersgd"]))
-        elif self.sync is not None:
-            if state is None or "sync" not in state:
-                return self.sync.load_state_dict(None)
+        elif self.independent_replicas and state is not None and "weights" in state:
             with torch.no_grad():
-                for n, p in self.sync.params.items():
-                    p.copy_(state["weights"][n])
+                for n, p in self.model.named_parameters():
+                    if p.requires_grad:
+                        p.copy_(state["weights"][n])
             self.optimizer.load_state_dict(state["optimizer"])
-            return self.sync.load_state_dict(state["sync"])
         return ""
 
     def accumulation_context(self, is_last_micro_batch: bool):

@@ -395,7 +395,7 @@ class DeepSpeedStrategy(Strategy):
                 for name, value in values.items():
                     targets[name].data.copy_(value)
 
-    def forward_backward(self, micro_batches, num_target_tokens: int) -> torch.Tensor:
+    def forward_backward(self, micro_batches, num_target_tokens: int, grad_weight: float = 1.0) -> torch.Tensor:
         total = torch.zeros((), device=self.device)
         if self.tasks is not None:
             self.tasks.reset()

@@ -44,7 +44,7 @@ from trainer.parallel import fsdp as F2
 from trainer.parallel.grad_norm import clip_to_norm, world_square_sum
 from trainer.parallel.pipeline import (SCHEDULES, SPLIT_BACKWARD_SCHEDULES, StageModule, cut_stage, set_module,
                                        stage_indices, stages_per_rank)
-from trainer.parallel.sync import PeriodicSync
+from trainer.parallel.sync import Worker
 from trainer.parallel.tensor_parallel import apply_tp, count_functional_collectives, grads_in_param_layout
 from trainer.run.loss import to_device
 from trainer.strategies.base import Strategy
@@ -205,15 +205,13 @@ class TorchNativeStrategy(Strategy):
         # Built under empty weights, a model whose config ties the embeddings and the head holds two parameters:
         # tie them (as from_config / from_pretrained do), so every layout trains one weight.
         model.tie_weights()
-        local_workers = self._build_meshes()
+        self._build_meshes()
         self._cut_stages(model)
         for stage, part in self.parts:
             self._parallelize(part, self.stage_modules.get(stage, part))
         self.load_initial_weights(None, initial_weights)
         self.state_model = self._state_view(model) if len(self.parts) > 1 else self.parts[0][1]
         self.model = self.state_model
-        if local_workers:
-            self._attach_periodic_sync(self.world_mesh["dp_replicate"].get_group() if d.dp_replicate_enabled else None)
         self.optimizer = build_optimizer(self.state_model.named_parameters())
         # peft=lora's frozen base: sharded like the rest, outside the optimizer (the memory report counts them)
         self.frozen_shards = [p for p in self.state_model.parameters() if not p.requires_grad]
@@ -225,8 +223,9 @@ class TorchNativeStrategy(Strategy):
             self._tie_group = self._tied_stages_group()
         return self.model, self.optimizer
 
-    def _build_meshes(self) -> bool:
-        """The device mesh and its groups; returns whether hsdp's replica groups are local-SGD workers."""
+    def _build_meshes(self) -> None:
+        """The device mesh and its groups (with independent replicas, hsdp's replica groups are local-SGD workers:
+        FSDP reduces inside a group, and a worker measures its gradient norm over its group)."""
         d, s = self.dims, self.cfg.strategy
         mesh = self.dims.build_mesh(self.device.type)
         self.world_mesh = mesh
@@ -234,12 +233,11 @@ class TorchNativeStrategy(Strategy):
         self.pp_group = mesh["pp"].get_group() if d.pp_enabled else None
         self._dp_group = mesh["dp_replicate", "dp_shard"]._flatten().get_group() if d.dp_enabled else None
         self.pp_rank = mesh["pp"].get_local_rank() if d.pp_enabled else 0
-        local_workers = self.cfg.sync.name != "every_step"  # hsdp: each replica group a local-SGD worker
-        if (d.dp_replicate_enabled or s.name == "hsdp") and not local_workers:
+        if (d.dp_replicate_enabled or s.name == "hsdp") and not self.independent_replicas:
             self.dp_mesh = mesh["dp_replicate", "dp_shard"]
         else:
             self.dp_mesh = mesh["dp_shard"]  # with local workers FSDP reduces inside the group only
-        return local_workers
+        self._worker_group = self.dp_mesh.get_group() if self.independent_replicas and d.dp_size > 1 else None
 
     def _cut_stages(self, model) -> None:
         """This rank's pipeline stages as parts of the model (the whole model without pipeline parallelism)."""
@@ -284,40 +282,35 @@ class TorchNativeStrategy(Strategy):
             grads_in_param_layout(part)
 
     # ---- local SGD / DiLoCo across hsdp's replica groups (trainer/parallel/sync.py) -----------------------
-    def _attach_periodic_sync(self, replicate_group) -> None:
+    def local_worker(self):
         """Each replica group is a worker; rank i of every group holds the same shard, so the workers' shards are
-        synchronised over the replicate dimension. They start from group 0's values, as every_step's would."""
+        synchronised over the replicate dimension."""
+        if not self.independent_replicas:
+            return None
+        group = self.world_mesh["dp_replicate"].get_group() if self.dims.dp_replicate_enabled else None
         shards = {n: (p.to_local() if isinstance(p, DTensor) else p).detach()  # views of the parameters' storage
                   for n, p in self.state_model.named_parameters() if p.requires_grad}  # peft=lora: the adapters
-        workers = dist.get_world_size(replicate_group) if replicate_group is not None else 1
-        if workers > 1:
-            for t in shards.values():
-                dist.broadcast(t, src=dist.get_global_rank(replicate_group, 0), group=replicate_group)
-        self.sync = PeriodicSync(self.cfg, shards, replicate_group, workers)
-        self._norm_group = self.dp_mesh.get_group() if self.dims.dp_size > 1 else None
+        return Worker(shards, group, dist.get_world_size(group) if group is not None else 1)
 
     def local_state(self) -> dict:
-        if self.sync is None:
+        if not self.independent_replicas:
             return {}
         # this worker's shards of the weights and of the optimizer state (plain tensors: the per-rank file is read
         # back with weights_only)
-        return {"sync": self.sync.state_dict(),
-                "weights": {n: t.clone() for n, t in self.sync.params.items()},
+        return {"weights": {n: t.clone() for n, t in self.local_worker().params.items()},
                 "optimizer": {str(i): {k: _local(v) for k, v in self.optimizer.state[p].items()}
                               for i, p in enumerate(self.state_model.parameters()) if p in self.optimizer.state}}
 
     def load_local_state(self, state) -> str:
-        if self.sync is None:
+        if not self.independent_replicas or state is None or "weights" not in state:
             return ""
-        if state is None or "sync" not in state:
-            return self.sync.load_state_dict(None)
         with torch.no_grad():
-            for n, t in self.sync.params.items():
+            for n, t in self.local_worker().params.items():
                 t.copy_(state["weights"][n])
             for i, p in enumerate(self.state_model.parameters()):
                 for k, v in state["optimizer"].get(str(i), {}).items():
                     _local(self.optimizer.state[p][k]).copy_(v)  # in place: the shared checkpoint set them up
-        return self.sync.load_state_dict(state["sync"])
+        return ""
 
     # ---- tied embeddings on the first and last pipeline stage ----------------------------------------------------
     def _tied_copies(self) -> list:
@@ -417,9 +410,9 @@ class TorchNativeStrategy(Strategy):
     def has_last_stage(self) -> bool:
         return self.num_stages - 1 in self.my_stages
 
-    def forward_backward(self, micro_batches, num_target_tokens: int) -> torch.Tensor:
+    def forward_backward(self, micro_batches, num_target_tokens: int, grad_weight: float = 1.0) -> torch.Tensor:
         if self.dims.pp == 1:
-            return super().forward_backward(micro_batches, num_target_tokens)
+            return super().forward_backward(micro_batches, num_target_tokens, grad_weight)
         self._n_target = num_target_tokens
         inputs = to_device(torch.cat([b["input_ids"] for b in micro_batches]), self.device)
         labels = to_device(torch.cat([b["labels"] for b in micro_batches]), self.device)
@@ -493,7 +486,7 @@ class TorchNativeStrategy(Strategy):
         if self.tied and not self.has_first_stage:
             copies = {id(p) for p in self._tied_copies()}  # the head's copy: the first stage counts the weight
         # a local-SGD worker (an hsdp replica group) measures and clips its own gradient
-        group = self._norm_group if self.sync is not None else None
+        group = self._worker_group if self.independent_replicas else None
         norm = world_square_sum([p.grad for p in params if id(p) not in copies], self.device, group).sqrt()
         return clip_to_norm(params, norm, max_norm)
 

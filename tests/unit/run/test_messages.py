@@ -221,7 +221,8 @@ class _Strategy:
 
 def _manager(tmp_path, exc):
     m = ckpt.CheckpointManager.__new__(ckpt.CheckpointManager)  # no process group, no run: the save path only
-    m.__dict__.update(strategy=_Strategy(exc), states={}, root=str(tmp_path / "checkpoints"), rank=0, group=None,
+    strategy = _Strategy(exc)
+    m.__dict__.update(strategy=strategy, rank_states=[strategy], states={}, root=str(tmp_path / "checkpoints"), rank=0, group=None,
                       pending=None, last_saved_step=None, stats=[], cfg=SimpleNamespace(async_save=False))
     m._write_rank0_files = lambda tmp, step: None
     return m
