@@ -7,25 +7,24 @@
 """
 import sys
 
-from trainer.config.compose import register_resolvers
-from trainer.run.cli import check_overrides, sanitize_argv, user_errors
+from trainer.run.cli import compose_or_exit, hydra_flags, sanitize_argv, user_errors
 
 sys.argv = sanitize_argv(sys.argv)
-register_resolvers()
-check_overrides(sys.argv)
+# The one compose of this process, before the heavy imports: a bad command line ends at once (exit 2). With
+# Hydra's own flags (--cfg, --help, -m) @hydra.main composes instead.
+JOB = None if hydra_flags(sys.argv) else compose_or_exit(sys.argv)
 
 import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 
-from trainer.run import build as B  # noqa: E402
+from trainer.config.compose import run_job  # noqa: E402
 from trainer.config.schema import register_configs, to_object  # noqa: E402
+from trainer.run import build as B  # noqa: E402
 from trainer.run.loop import export_final, fit  # noqa: E402
 
-register_configs()
 
-
-@hydra.main(config_path="../conf", config_name="config", version_base=None)
-def main(dcfg) -> None:
+def train(dcfg) -> None:
+    """Check, build, train, export, close: the job Hydra runs on the composed config."""
     with user_errors():
         prepared = B.prepare(to_object(dcfg), HydraConfig.get().runtime.output_dir)
         run, finished = None, False
@@ -36,6 +35,14 @@ def main(dcfg) -> None:
             finished = True
         finally:
             B.close(run, graceful=finished)
+
+
+def main() -> None:
+    if JOB is not None:
+        run_job(train, JOB)
+    else:
+        register_configs()
+        hydra.main(config_path="../conf", config_name="config", version_base=None)(train)()
 
 
 if __name__ == "__main__":

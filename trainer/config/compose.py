@@ -1,5 +1,6 @@
-"""The one compose: conf/ with Hydra's compose API, for the commands that read a config before (or without) the
-entry point's @hydra.main: launch.sh's launcher choice, the entry's override check, the planner, tests."""
+"""The one compose per process: conf/ with Hydra, for the entry point (`compose_job`, then `run_job` runs the
+training as Hydra runs a job) and for the commands that read a config without training (`compose`: launch.sh's
+launcher choice, the planner, the exporter, tests)."""
 from __future__ import annotations
 
 import os
@@ -8,7 +9,11 @@ from pathlib import Path
 
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
-from omegaconf import OmegaConf
+from hydra._internal.callbacks import Callbacks
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.utils import run_job as hydra_run_job
+from hydra.types import HydraContext, RunMode
+from omegaconf import DictConfig, OmegaConf
 
 from trainer.config.schema import register_configs
 
@@ -23,6 +28,31 @@ def compose(overrides):
     register_resolvers()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         return hydra_compose(config_name="config", overrides=[o for o in overrides if not o.startswith("hydra.")])
+
+
+def compose_job(overrides) -> DictConfig:
+    """The entry point's one compose: conf/ with every override (hydra.* too) and Hydra's own node, exactly as
+    @hydra.main composes a plain run (the job is called "main", after trainer/main.py). Problems propagate."""
+    register_configs()
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(CONF_DIR), job_name="main", version_base=None):
+        # hydra.mode=RUN: what @hydra.main adds for a run without -m (a sweep goes through @hydra.main itself)
+        return GlobalHydra.instance().hydra.compose_config("config", list(overrides) + ["hydra.mode=RUN"],
+                                                           run_mode=RunMode.RUN, with_log_configuration=True)
+
+
+def run_job(task, cfg: DictConfig):
+    """Run `task` on `cfg` (from compose_job) as Hydra's own run does after its compose: the run directory
+    (hydra.run.dir), its .hydra/ record, logging and HydraConfig for the task, Hydra's callbacks around it.
+    Returns the task's value; an exception it raised is raised again."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), job_name="main", version_base=None):
+        callbacks = Callbacks(cfg)
+        callbacks.on_run_start(config=cfg, config_name="config")
+        context = HydraContext(config_loader=GlobalHydra.instance().config_loader(), callbacks=callbacks)
+        ret = hydra_run_job(task_function=task, config=cfg, job_dir_key="hydra.run.dir", job_subdir_key=None,
+                            hydra_context=context, configure_logging=True)
+        callbacks.on_run_end(config=cfg, config_name="config", job_return=ret)
+    return ret.return_value
 
 
 def launch_time(fmt: str = "%Y-%m-%d/%H-%M-%S") -> str:

@@ -9,11 +9,10 @@ import threading
 import time
 from contextlib import contextmanager
 
-from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from trainer.config.compose import compose
+from trainer.config.compose import compose_job
 from tessera.errors import EXIT_BAD_INPUT, EXIT_FAULT, TesseraError, one_line
 
 
@@ -94,18 +93,18 @@ def run_dir_preflight(argv) -> None:
 NOISE = ("object_type", "reference_type", "full_key", "provider=", "To append to your config")
 
 
-def check_overrides(argv) -> None:
-    """Compose the config from the command line as Hydra will (an unknown key, a wrong type, a missing group
-    option): a problem ends here with one message and exit code 2, where Hydra would print its own report and
-    exit 1. Skipped when Hydra flags (--cfg, --help, -m ...) are given: Hydra handles those itself."""
-    overrides = argv[1:]
-    if any(a.startswith("-") for a in overrides):
-        return
+def hydra_flags(argv) -> bool:
+    """Hydra's own flags (--cfg, --help, -m ...) or a hydra.mode are on the command line: @hydra.main handles
+    them (a sweep composes per job)."""
+    return any(a.startswith(("-", "hydra.mode=")) for a in argv[1:])
+
+
+def compose_or_exit(argv):
+    """The entry's one compose of the command line (trainer/config/compose.py: compose_job): a problem (an unknown
+    key, a wrong type, a missing group option, an override that does not parse) ends here with one message and exit
+    code 2, where Hydra would print its own report and exit 1."""
     try:
-        # hydra.* overrides are not composed here, but one that does not parse (hydra.run.dir=a=b) would make
-        # Hydra exit 1 with its own report
-        OverridesParser.create().parse_overrides([o for o in overrides if o.startswith("hydra.")])
-        compose(overrides)
+        return compose_job(argv[1:])
     except (HydraException, OmegaConfBaseException, ValueError) as e:
         lines = []
         for x in _chain(e):
