@@ -1,4 +1,4 @@
-"""Measured per-rank model-state memory under ZeRO-2 and ZeRO-3 (world size 2, the deepspeed launcher, CPU/gloo):
+"""Measured per-rank model-state memory under ZeRO-2 and ZeRO-3 (world size 2 through torchrun, CPU/gloo):
 with logging.memory_report=true the trainer writes memory.json after its first step (DeepSpeed's and torch's
 public APIs: module parameters, the client optimizer's param groups and state, deepspeed.utils.safe_get_local_*);
 ZeRO shards what its stage promises."""
@@ -14,9 +14,9 @@ ONE_STEP = SMALL + ["precision=bf16", "train.max_steps=1", "train.global_batch_s
 RUNS = {
     # name: (launcher, processes, overrides)
     "single": ("python", 1, ["strategy=single"]),
-    "zero2": ("deepspeed", 2, ["strategy=zero2"]),
+    "zero2": ("torchrun", 2, ["strategy=zero2"]),
     # Threshold 0: no parameter stays whole (by default those under 1e5 elements do, i.e. all of this model's).
-    "zero3": ("deepspeed", 2, ["strategy=zero3", "strategy.stage3_param_persistence_threshold=0"]),
+    "zero3": ("torchrun", 2, ["strategy=zero3", "strategy.stage3_param_persistence_threshold=0"]),
 }
 
 

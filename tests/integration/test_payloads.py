@@ -67,7 +67,7 @@ def dcp_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def zero_checkpoint(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("zero2")
-    ok(launch("deepspeed", BASE + ["strategy=zero2", "train.max_steps=1"], run_dir, nproc=2, timeout=600))
+    ok(launch("torchrun", BASE + ["strategy=zero2", "train.max_steps=1"], run_dir, nproc=2, timeout=600))
     return run_dir / "checkpoints" / "step_1"
 
 
@@ -128,7 +128,7 @@ def test_deepspeed_payload_on_resume(zero_checkpoint, tmp_path, nproc):
     marker = tmp_path / "code-ran"
     ckpt = craft(zero_checkpoint, tmp_path / "crafted", ZERO_FILE, lambda p: torch_payload(p, f"touch {marker}"))
     with Timer() as t:
-        proc = launch("deepspeed", BASE + ["strategy=zero2", "train.max_steps=2", f"checkpoint.resume={ckpt}"],
+        proc = launch("torchrun", BASE + ["strategy=zero2", "train.max_steps=2", f"checkpoint.resume={ckpt}"],
                       tmp_path / "run", nproc=nproc, timeout=600)
     _assert_refused(f"payload: ZeRO-2 optimizer file, resume at world size {nproc}", proc, t.seconds, marker,
                     f"DeepSpeed checkpoint file {ckpt}/{ZERO_FILE}: {SYSTEM}")

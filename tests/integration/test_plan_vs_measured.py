@@ -19,14 +19,14 @@ ONE_STEP = MODEL + ["logging.progress=false", "train.max_steps=1", "train.global
 RUNS = {
     # name: (launcher, world size, overrides)
     "ddp-ws2": ("torchrun", 2, ["strategy=ddp"]),
-    "zero2-ws2": ("deepspeed", 2, ["strategy=zero2"]),
-    "zero3-ws2": ("deepspeed", 2, ["strategy=zero3", "strategy.stage3_param_persistence_threshold=0"]),
+    "zero2-ws2": ("torchrun", 2, ["strategy=zero2"]),
+    "zero3-ws2": ("torchrun", 2, ["strategy=zero3", "strategy.stage3_param_persistence_threshold=0"]),
     "fsdp-ws2": ("torchrun", 2, ["strategy=fsdp"]),
     "tp-ws2": ("torchrun", 2, ["strategy=tp"]),
     "pp-ws2": ("torchrun", 2, ["strategy=pp"]),
     # peft=lora: a frozen base beside adapters that alone have gradients, optimizer state and master weights
     "ddp-lora-ws2": ("torchrun", 2, ["strategy=ddp", "peft=lora", "peft.r=8"]),
-    "zero3-lora-ws2": ("deepspeed", 2, ["strategy=zero3", "strategy.stage3_param_persistence_threshold=0",
+    "zero3-lora-ws2": ("torchrun", 2, ["strategy=zero3", "strategy.stage3_param_persistence_threshold=0",
                                         "peft=lora", "peft.r=8"]),
     "fsdp-lora-ws2": ("torchrun", 2, ["strategy=fsdp", "peft=lora", "peft.r=8"]),
 }
