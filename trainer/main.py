@@ -17,7 +17,7 @@ JOB = None if hydra_flags(sys.argv) else compose_or_exit(sys.argv)
 import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 
-from trainer.config.compose import run_job  # noqa: E402
+from trainer.config.compose import register_resolvers, run_job  # noqa: E402
 from trainer.config.schema import register_configs, to_object  # noqa: E402
 from trainer.run import build as B  # noqa: E402
 from trainer.run.loop import export_final, fit  # noqa: E402
@@ -40,8 +40,9 @@ def train(dcfg) -> None:
 def main() -> None:
     if JOB is not None:
         run_job(train, JOB)
-    else:
+    else:  # @hydra.main composes: the schema and the ${launch_time:} resolver first
         register_configs()
+        register_resolvers()
         hydra.main(config_path="../conf", config_name="config", version_base=None)(train)()
 
 

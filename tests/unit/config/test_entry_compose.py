@@ -60,3 +60,9 @@ def test_a_bad_command_line_ends_at_the_one_compose_with_exit_code_2(tmp_path):
     assert "error: the command line does not compose" in out.stderr and "max_stepz" in out.stderr
     assert "Traceback" not in out.stderr and "COMPOSITIONS 1" in out.stdout
     assert not (tmp_path / "bad").exists()  # nothing was created
+
+
+def test_hydra_flags_go_to_hydra_main_with_the_resolvers_registered():
+    out = _entry(["--cfg", "hydra", "--resolve", "train.seed=5"])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "run:" in out.stdout and "outputs/" in out.stdout  # hydra.run.dir with ${launch_time:} resolved
