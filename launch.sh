@@ -8,14 +8,32 @@
 #   ./launch.sh test [pytest args]            # run the test suite (what .ci/run calls)
 #   ./launch.sh strategy=single train.max_steps=50
 #   ./launch.sh model=hf model.name_or_path=/models/my-llama data=text data.path=/data/corpus.txt
+#   sbatch -N 2 launch.sh strategy=fsdp       # SLURM: one task per node, each starts its node's ranks
 #
 # Environment: NPROC_PER_NODE (default: the local GPUs, or 2 processes on a CPU-only machine), NNODES (1; MIN:MAX
 # for an elastic job, see docs/fault-tolerance.md), NODE_RANK (0), MASTER_ADDR, MASTER_PORT, RDZV_ID (elastic),
-# HOSTFILE (deepspeed), TESSERA_VENV (default ./.venv),
+# HOSTFILE (deepspeed), TESSERA_NO_SLURM (inside a SLURM job: this node alone), TESSERA_ROOT (the checkout, when
+# SLURM runs a copy of this script), TESSERA_VENV (default ./.venv),
 # TESSERA_PYTHON (the interpreter that creates the venv, default python3), TESSERA_TORCH (the torch
 # requirement installed first, default torch==2.13.0).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+if [ ! -f "$ROOT/pyproject.toml" ] && [ -n "${SLURM_JOB_ID:-}" ]; then
+  # sbatch runs a copy of this script from slurmd's spool: the repository is the folder of the submitted script
+  # (the job's Command), else the submission directory; TESSERA_ROOT overrides both.
+  ROOT="${TESSERA_ROOT:-}"
+  if [ -z "$ROOT" ]; then
+    script="$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | grep -o 'Command=[^ ]*' | head -1 | cut -d= -f2-)" || true
+    case "$script" in /*) ;; ?*) script="${SLURM_SUBMIT_DIR:-.}/$script" ;; esac
+    ROOT="$(cd "$(dirname "${script:-/nonexistent/x}")" 2>/dev/null && pwd)" || ROOT=""
+    [ -f "$ROOT/pyproject.toml" ] || ROOT="${SLURM_SUBMIT_DIR:-}"
+  fi
+  if [ ! -f "$ROOT/pyproject.toml" ] || [ ! -f "$ROOT/launch.sh" ]; then
+    echo "launch.sh: error: cannot find the Tessera repository of SLURM job $SLURM_JOB_ID (looked in '${ROOT}'):" \
+      "submit the checkout's launch.sh (sbatch -N 2 /path/to/tessera/launch.sh ...) or set TESSERA_ROOT" >&2
+    exit 2
+  fi
+fi
 VENV="${TESSERA_VENV:-$ROOT/.venv}"
 PY="$VENV/bin/python"
 STAMP="$VENV/.tessera-installed"
@@ -59,8 +77,31 @@ fi
 
 cd "$ROOT"
 export PATH="$VENV/bin:$PATH"
-# One launch time for every process this launch starts: they all agree on the run directory.
+# One launch time for every process this launch starts (on every node of a SLURM job): they all agree on the run
+# directory.
 export TESSERA_LAUNCH_TIME="${TESSERA_LAUNCH_TIME:-$(date +%s.%N)}"
+
+# A checkpoint.resume=auto override unless the command line has its own checkpoint.resume.
+resume_auto() {
+  for arg in "$@"; do [[ "$arg" == checkpoint.resume=* ]] && return; done
+  echo "checkpoint.resume=auto"
+}
+
+# Inside a SLURM allocation (docs/running.md): the batch script (or an salloc shell) starts launch.sh once per node
+# with srun; each node's task takes the node count, its node rank, the master's address and an agreed port from
+# SLURM (trainer/launch/slurm.py). TESSERA_NO_SLURM=1 runs on this node alone. A requeued job continues its run.
+if [ -n "${SLURM_JOB_ID:-}" ] && [ -z "${TESSERA_NO_SLURM:-}" ] && [ "${1:-}" != plan ]; then
+  if [ -z "${SLURM_STEP_ID:-}" ]; then
+    srun_cmd="$("$PY" -m trainer.launch.slurm step)" || exit 2
+    read -r -a srun_cmd <<<"$srun_cmd"
+    exec "${srun_cmd[@]}" "$ROOT/launch.sh" "$@"
+  fi
+  node="$("$PY" -m trainer.launch.slurm node)" || exit 2
+  eval "export $node"
+  if [ "${SLURM_RESTART_COUNT:-0}" != 0 ]; then
+    set -- "$@" $(resume_auto "$@")
+  fi
+fi
 
 if [ -z "${NPROC_PER_NODE:-}" ]; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
@@ -98,11 +139,9 @@ case "$launcher" in
       # its own restarts do the work; every node runs this same line (MASTER_ADDR:MASTER_PORT is the rendezvous).
       # A node that joins later continues the job's run: checkpoint.resume=auto unless the command line says.
       export TESSERA_MAX_RESTARTS=0
-      resume=(checkpoint.resume=auto)
-      for arg in "$@"; do [[ "$arg" == checkpoint.resume=* ]] && resume=(); done
       exec "$PY" -m trainer.torchrun --nnodes "$NNODES" --nproc_per_node "$NPROC_PER_NODE" \
         --max-restarts "$restarts" --rdzv-backend c10d --rdzv-endpoint "${MASTER_ADDR:-127.0.0.1}:${MASTER_PORT:-29500}" \
-        --rdzv-id "${RDZV_ID:-tessera}" trainer/main.py "$@" "${resume[@]}"
+        --rdzv-id "${RDZV_ID:-tessera}" trainer/main.py "$@" $(resume_auto "$@")
     fi
     exec "$PY" -m trainer.torchrun --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$NPROC_PER_NODE" \
       --master_addr "${MASTER_ADDR:-127.0.0.1}" --master_port "${MASTER_PORT:-29500}" trainer/main.py "$@"

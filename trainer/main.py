@@ -40,7 +40,7 @@ def train(dcfg) -> None:
 def main() -> None:
     if JOB is not None:
         run_job(train, JOB)
-    else:  # @hydra.main composes: the schema and the ${launch_time:} resolver first
+    else:  # @hydra.main composes: the schema and the ${run_name:} resolver first
         register_configs()
         register_resolvers()
         hydra.main(config_path="../conf", config_name="config", version_base=None)(train)()

@@ -66,6 +66,18 @@ def launch_time(fmt: str = "%Y-%m-%d/%H-%M-%S") -> str:
     return time.strftime(fmt, time.localtime(ts))
 
 
+def run_name() -> str:
+    """The default run folder's name (conf/config.yaml: outputs/${run_name:}): inside a SLURM job the job's own
+    (slurm-<job id>, an array task slurm-<array job>_<task>), the same on every node and after a requeue, so that
+    the requeued job continues its run; elsewhere the launch time."""
+    env = os.environ
+    if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
+        return f"slurm-{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+    if env.get("SLURM_JOB_ID"):
+        return f"slurm-{env['SLURM_JOB_ID']}"
+    return launch_time()
+
+
 def process_start_time(pid: int):
     try:
         with open(f"/proc/{pid}/stat") as fh:
@@ -81,3 +93,5 @@ def process_start_time(pid: int):
 def register_resolvers() -> None:
     if not OmegaConf.has_resolver("launch_time"):
         OmegaConf.register_new_resolver("launch_time", launch_time, use_cache=True)
+    if not OmegaConf.has_resolver("run_name"):
+        OmegaConf.register_new_resolver("run_name", run_name, use_cache=True)

@@ -20,6 +20,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
+from typing import List
 
 from trainer.launch.torchrun import Forwarder, children, outcome_after_stop
 from trainer.launch import ds_ops, restarts
@@ -58,11 +60,43 @@ def prepare_ops() -> int:
     return ds_ops.main(["build"])
 
 
+def _option(argv: List[str], name: str):
+    """The value of `--name V` or `--name=V` among the runner's own arguments (before the script), else None."""
+    for i, arg in enumerate(argv):
+        if arg.endswith(".py"):
+            break
+        if arg == name and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def with_node_hostfile(argv: List[str], folder: str) -> List[str]:
+    """launch.sh's several nodes without a hostfile (NNODES=N: `--num_nodes N --node_rank R --no_ssh` on every
+    node): DeepSpeed's runner knows other nodes only from a hostfile, even when each node starts its own launcher,
+    so one is written with N nodes of --num_gpus slots each. Its names are labels only (no ssh; the master is
+    --master_addr)."""
+    nodes = int(_option(argv, "--num_nodes") or 1)
+    if nodes <= 1 or "--no_ssh" not in argv or _option(argv, "--hostfile") is not None:
+        return argv
+    slots = int(_option(argv, "--num_gpus") or 1)
+    path = os.path.join(folder, "hostfile")
+    with open(path, "w") as fh:
+        fh.writelines(f"node{i} slots={slots}\n" for i in range(nodes))
+    return ["--hostfile", path, *argv]
+
+
 def main(argv) -> int:
 
     code = prepare_ops()
     if code:
         return code
+    with tempfile.TemporaryDirectory(prefix="tessera-ds-") as folder:
+        return _launch(with_node_hostfile(list(argv), folder))
+
+
+def _launch(argv) -> int:
     runner = None
 
     def find_ranks():

@@ -113,12 +113,17 @@ def move_aside(run_dir: str) -> str:
 def job_token() -> str:
     """The same on every rank of one launch, different between launches. Under torchrun: the rendezvous (run id
     and the process group's address, the same on every node, also for two agents of one elastic job on one
-    host); otherwise the launcher process on this host (deepspeed's per-node launcher) and its start time; a lone
-    process is its own job."""
+    host); a job of several nodes: the process group's address; otherwise the launcher process on this host
+    (deepspeed's launcher) and its start time; a lone process is its own job."""
     host = socket.gethostname()
     if "TORCHELASTIC_RUN_ID" in os.environ:
         return (f"torchrun:{os.environ['TORCHELASTIC_RUN_ID']}:{os.environ.get('MASTER_ADDR', '')}:"
                 f"{os.environ.get('MASTER_PORT', '')}")
+    local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")  # torchrun's / DeepSpeed's name
+    if local and parallel.env_world_size() > int(local):
+        # several nodes, each with a launcher of its own (the deepspeed launcher's --no_ssh): the process group's
+        # address is what they share (and no other live job can listen on it)
+        return f"nodes:{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
     if parallel.env_world_size() > 1 or "LOCAL_RANK" in os.environ:
         ppid = os.getppid()
         return f"{host}:{ppid}:{process_start_time(ppid)}"

@@ -7,7 +7,8 @@ Commands recognised (after leading `NAME=value` environment assignments, with `\
 `./launch.sh ...` (`./launch.sh plan ...` too; `./launch.sh test ...` takes pytest arguments, not overrides),
 `python trainer/main.py ...`, `torchrun ... trainer/main.py ...`, `deepspeed ... trainer/main.py ...`,
 `python -m trainer.torchrun ... trainer/main.py ...`, `python -m trainer.plan ...`, and `sbatch` / `srun` lines that
-run launch.sh or trainer/main.py. Of their arguments, `key=value` / `group=option` tokens are composed; skipped are
+run launch.sh or trainer/main.py. Of their arguments, `key=value` / `group=option` tokens are composed (in a sweep,
+`-m`, with the first of a `key=a,b` list's values); skipped are
 launcher flags (`-...`), placeholders (`<...>`, `...`, `$VAR`) and `plan.*` (the planner strips plan.world_size and
 plan.device_memory before composing). `hydra.*` overrides are left to Hydra's launcher, as compose_config does."""
 from __future__ import annotations
@@ -193,12 +194,16 @@ def trainer_arguments(tokens: List[str]) -> Optional[Tuple[str, List[str]]]:
 
 
 def overrides_of(kind: str, args: List[str]) -> Tuple[str, ...]:
+    sweep = "-m" in args or "--multirun" in args
     kept = []
     for token in args:
         if token.startswith("-") or "=" not in token or PLACEHOLDER.search(token):
             continue  # a launcher flag, a flag's value, or a placeholder
         if kind == "plan" and token.startswith("plan."):
             continue  # the planner's own keys, stripped before it composes
+        key, _, value = token.partition("=")
+        if sweep and "," in value and value[:1] not in "[{'\"":
+            token = f"{key}={value.split(',')[0]}"  # a sweep's values (key=a,b): each job composes one
         kept.append(token)
     return tuple(kept)
 
@@ -304,3 +309,9 @@ def test_the_scanners_catch_what_they_should():
     assert problems[4] and "max_stepz" in problems[4]  # a wrong key fails
     assert problems[9] and "zero9" in problems[9]  # so does a wrong group option
     assert problems[6] is None and problems[7] is None and problems[11] is None
+
+
+def test_a_sweep_composes_its_first_values():
+    assert overrides_of("train", ["-m", "optim.lr=1e-3,3e-4", "model.target_modules=[q,v]", "strategy=ddp"]) == (
+        "optim.lr=1e-3", "model.target_modules=[q,v]", "strategy=ddp")
+    assert overrides_of("train", ["optim.lr=1e-3,3e-4"]) == ("optim.lr=1e-3,3e-4",)  # not a sweep: as written

@@ -65,4 +65,4 @@ def test_a_bad_command_line_ends_at_the_one_compose_with_exit_code_2(tmp_path):
 def test_hydra_flags_go_to_hydra_main_with_the_resolvers_registered():
     out = _entry(["--cfg", "hydra", "--resolve", "train.seed=5"])
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "run:" in out.stdout and "outputs/" in out.stdout  # hydra.run.dir with ${launch_time:} resolved
+    assert "run:" in out.stdout and "outputs/" in out.stdout  # hydra.run.dir with ${run_name:} resolved
