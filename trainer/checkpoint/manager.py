@@ -304,8 +304,10 @@ TrainingProgress = TrainState  # the earlier name of the loop's counters (traine
 
 # Where each train state (name -> Stateful, CheckpointManager's `states`) goes: "progress" spreads its keys over
 # meta.json's top level, "rng" is one file per rank (rng/rank_<r>.pt, restored at the same world size only), every
-# other name is a meta.json entry of its own (in the order given: "loader", "scheduler", "precision").
-PROGRESS, RNG = "progress", "rng"
+# other name is a meta.json entry of its own (in the order given: "loader", "scheduler", "precision", "trackers").
+# "trackers" (the experiment trackers' runs) is absent from checkpoints saved before trackers existed: nothing to
+# restore then.
+PROGRESS, RNG, TRACKERS = "progress", "rng", "trackers"
 
 
 @dataclass(frozen=True)
@@ -468,6 +470,7 @@ class CheckpointManager:
             rec = self.stats[-1] if self.stats and self.stats[-1]["step"] == step else {"step": step}
             rec.update(total_s=total, bytes=nbytes, checksum_s=checksum_s)
             self.logger.info(f"saved checkpoint {final} ({nbytes / 2**20:.1f} MiB in {total:.2f}s)")
+            self.logger.checkpoint_saved(step, final)  # its path to the experiment trackers
 
     def _retain(self, keep: str) -> None:
         for stale in partial_checkpoints(self.root):
@@ -578,7 +581,7 @@ class CheckpointManager:
         """Every train state from meta.json (in the order given), then this rank's generators where the world size
         is the one they were saved at."""
         for name, state in self.states.items():
-            if name != RNG:
+            if name != RNG and (name in meta or name != TRACKERS):
                 state.load_state_dict(meta if name == PROGRESS else meta[name])
         rng_file = os.path.join(path, "rng", f"rank_{self.rank}.pt")
         if RNG in self.states and os.path.isfile(rng_file) and meta["world_size"] == self.strategy.dims.world_size:

@@ -288,6 +288,15 @@ class LoggingConfig:
     # Opt-in, since it replaces torch.distributed's collective functions with counting wrappers.
     comm_bytes: bool = documented(False, "Count the bytes each step's collectives hand over (comm_bytes and "
                                          "comm_bytes_by_kind in metrics.jsonl; trainer/observe/comm_bytes.py).")
+    # Experiment trackers (docs/trackers.md, trainer/observe/trackers.py): optional packages, rank 0 only.
+    wandb: bool = documented(False, "Also log to Weights & Biases (the wandb package; WANDB_MODE=offline keeps the "
+                                    "run in <run dir>/wandb/, or $WANDB_DIR).")
+    mlflow: bool = documented(False, "Also log to MLflow (the mlflow package), in logging.mlflow_tracking_uri.")
+    mlflow_tracking_uri: Optional[str] = documented(None, "MLflow store or server; null = $MLFLOW_TRACKING_URI, "
+                                                          "else sqlite:///<run dir>/mlflow.db.")
+    tracker_project: str = documented("tessera", "W&B project and MLflow experiment the run is logged under.")
+    tracker_run_name: Optional[str] = documented(None, "Name of the tracker run; null = the run directory's last "
+                                                       "two path parts.")
 
 
 @dataclass
@@ -335,7 +344,8 @@ class TesseraConfig:
     train: TrainConfig = section(TrainConfig, "Steps, batch sizes, seed, device and the divergence guard.")
     eval: EvalConfig = section(EvalConfig, "Validation loss and perplexity on the held-out split.")
     checkpoint: CheckpointConfig = section(CheckpointConfig, "Saving, keeping and resuming checkpoints.")
-    logging: LoggingConfig = section(LoggingConfig, "Console, TensorBoard, MFU and memory reporting.")
+    logging: LoggingConfig = section(LoggingConfig, "Console, TensorBoard, MFU and memory reporting; experiment "
+                                                    "trackers (W&B, MLflow).")
     export: ExportConfig = section(ExportConfig, "The Hugging Face export of the final model.")
     peft: PeftConfig = section(PeftConfig, "Parameter-efficient fine-tuning: LoRA adapters on a frozen base "
                                            "(QLoRA with a 4-bit base).")

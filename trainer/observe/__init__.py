@@ -1,1 +1,1 @@
-"""What a run reports: metrics and loggers, the memory report, and collective bytes."""
+"""What a run reports: metrics and loggers, the experiment trackers, the memory report, and collective bytes."""

@@ -1,4 +1,5 @@
-"""Throughput, MFU, memory, and the loggers: progress bar and console on rank 0, metrics.jsonl, TensorBoard."""
+"""Throughput, MFU, memory, and the loggers: progress bar and console on rank 0, metrics.jsonl, TensorBoard, and the
+experiment trackers (trainer/observe/trackers.py), which get every record from here."""
 from __future__ import annotations
 
 import json
@@ -12,6 +13,7 @@ from typing import Optional
 import torch
 
 from tessera.errors import FaultError, one_line
+from trainer.observe.trackers import Trackers
 
 # Dense bf16 peak TFLOP/s of one device, by a substring of its name.
 KNOWN_PEAKS = (("H200", 989.0), ("H100", 989.0), ("A100", 312.0), ("L40S", 362.0), ("A10G", 125.0),
@@ -43,10 +45,11 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 class MetricsLogger:
-    """Rank 0 writes; other ranks hold a logger that does nothing."""
+    """Rank 0 writes; other ranks hold a logger that does nothing. Every record also goes to the run's experiment
+    trackers (`trackers`, none by default), which the logger starts, feeds and finishes."""
 
     def __init__(self, run_dir: str, enabled: bool, max_steps: int, start_step: int, progress: bool,
-                 tensorboard: bool):
+                 tensorboard: bool, trackers: Optional[Trackers] = None):
         self.enabled = enabled
         self.bar = None
         self.tb = None
@@ -55,6 +58,8 @@ class MetricsLogger:
         self.tensorboard = tensorboard
         self.run_dir = run_dir
         self.start_step = start_step
+        self.trackers = trackers if trackers is not None else Trackers()
+        self.final: dict = {}  # the trackers' final summary: the last loss, validation loss, tokens and step
         if not enabled:
             return
         self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
@@ -114,6 +119,7 @@ class MetricsLogger:
         if record is None:
             return
         _write(self.jsonl, self.metrics_path, record)
+        self._track(record)
         tb = self._tb()
         if tb is not None:
             for k, v in _scalars(record):
@@ -135,10 +141,40 @@ class MetricsLogger:
         if not self.enabled or not results:
             return
         _write(self.eval_jsonl, self.eval_path, {"step": step, **results})
+        self.trackers.log_eval(step, dict(_scalars(results)))
+        if "val_loss" in results:
+            self.final["final/val_loss"] = results["val_loss"]
         if step == 0:
             self.info(f"step 0 | val_loss {results['val_loss']:.4f} (ppl {results['val_ppl']:.2f})")
 
-    def close(self) -> None:
+    def start_trackers(self, step: int, continues: bool, checkpoint: Optional[str]) -> None:
+        """Open the trackers' runs once the run's step is known (trainer/observe/trackers.py: which run, what is
+        skipped): `continues`, this launch continues its run directory; `checkpoint`, the one it resumed fully."""
+        if self.enabled:
+            self.trackers.say = self.info
+            self.trackers.start(step, continues, checkpoint)
+
+    def _track(self, record: dict) -> None:
+        """A metrics record to the trackers, and what the final summary takes from it."""
+        self.trackers.log_metrics(record["step"], dict(_scalars(record)))
+        self.final.update({"final/loss": record["loss"], "final/tokens": record.get("tokens"),
+                           "final/steps": record["step"]})  # final/val_loss: eval_record
+
+    def checkpoint_saved(self, step: int, path: str) -> None:
+        """A checkpoint is complete (rank 0): its path to the trackers."""
+        if self.enabled:
+            self.trackers.note({f"checkpoint/step_{step}": path, "checkpoint/latest": path})
+
+    def exported(self, folders) -> None:
+        """The exported folders (hf/, hf-adapter/): their paths to the trackers."""
+        if self.enabled:
+            self.trackers.note({f"export/{os.path.basename(os.path.normpath(f))}": f for f in folders})
+
+    def close(self, ok: bool = True) -> None:
+        """Close the logs; the trackers get the final summary and end their runs (failed, unless `ok`)."""
+        if self.enabled:
+            summary = dict(_scalars({k: v for k, v in self.final.items() if v is not None}))
+            self.trackers.finish(summary, int(self.final.get("final/steps", self.start_step)), ok)
         if self.bar is not None:
             self.bar.close()
         if self.tb is not None:

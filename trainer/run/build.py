@@ -35,9 +35,11 @@ from trainer.resilience import rundir
 from trainer.resilience import watchdog
 from trainer.data.datasets import DataSplits, build_data
 from trainer.data.sampler import GlobalBatchSampler
-from tessera.errors import ConfigError, ModelError, TesseraError
+from tessera.errors import ConfigError, ModelError
 from trainer.observe.metrics import MetricsLogger
 from trainer.observe.model_states import built_parameter_bytes
+from trainer.observe.trackers import config_problems as tracker_problems, open_trackers
+from trainer.run.agreement import check_agreement
 from trainer.run.optim import build_optimizer, build_scheduler
 from trainer.run.precision import Precision
 from trainer.run.state import DataPosition, RandomState, TrainState
@@ -69,6 +71,7 @@ class Prepared:
 def check(cfg: C.TesseraConfig, world_size: int):
     """All configuration problems at once -> (dims, strategy class, tokenizer, model info)."""
     problems = C.validate(cfg, world_size)
+    problems += tracker_problems(cfg)  # logging.wandb / logging.mlflow: the package is installed
     cls = strategy_class(cfg.strategy.name)
     dims = None
     if cls is None:
@@ -225,7 +228,7 @@ def _start_processes(p: Prepared):
     comm_bytes.configure(cfg.logging.comm_bytes)
     if p.strategy_cls.capabilities.needs_process_group:
         parallel.init_process_group(device, cfg.train.collective_timeout_s)
-        _check_run_dir_agreement(p.run_dir)
+        check_agreement(p.run_dir, cfg)  # one run folder (shared across nodes), the same code and config
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     watch = watchdog.start(p.run_dir, rank, world, cfg.train.collective_timeout_s)  # names a stalled rank
@@ -270,7 +273,10 @@ def _open_logs(p: Prepared, strategy, facts: ModelFacts, device, rank: int) -> M
     if is0:
         os.makedirs(p.run_dir, exist_ok=True)
         OmegaConf.save(OmegaConf.structured(cfg), os.path.join(p.run_dir, "config.yaml"))
-    logger = MetricsLogger(p.run_dir, is0, cfg.train.max_steps, 0, cfg.logging.progress, cfg.logging.tensorboard)
+    # logging.wandb / logging.mlflow: rank 0's trackers get the resolved config and every record the logger writes
+    trackers = open_trackers(cfg, p.run_dir, is0)
+    logger = MetricsLogger(p.run_dir, is0, cfg.train.max_steps, 0, cfg.logging.progress, cfg.logging.tensorboard,
+                           trackers=trackers)
     accum = C.grad_accumulation_steps(cfg, p.dims.dp_size)
     logger.info(f"run dir {p.run_dir}")
     logger.info(f"model {cfg.model.kind} {cfg.model.name_or_path or ''} {facts.num_params / 1e6:.2f}M params | "
@@ -288,9 +294,10 @@ def _open_logs(p: Prepared, strategy, facts: ModelFacts, device, rank: int) -> M
 
 def train_states(run: Run) -> dict:
     """The run's train states (name -> Stateful) that a checkpoint saves and restores, in meta.json's order: the
-    counters, the data position, the schedule, the loss scaler, this rank's random generators."""
+    counters, the data position, the schedule, the loss scaler, the experiment trackers' runs, this rank's random
+    generators."""
     return {"progress": run.state, "loader": DataPosition(run.sampler, run.state), "scheduler": run.scheduler,
-            "precision": run.strategy.precision, "rng": RandomState()}
+            "precision": run.strategy.precision, "trackers": run.logger.trackers, "rng": RandomState()}
 
 
 def _checkpointer(p: Prepared, run: Run) -> ckpt.CheckpointManager:
@@ -308,8 +315,9 @@ def _checkpointer(p: Prepared, run: Run) -> ckpt.CheckpointManager:
 
 
 def _resume(run: Run) -> None:
-    """Carry out the resume plan: load its checkpoint, apply this run's optimizer values and schedule to it, and
-    cut the logs back to the resumed step."""
+    """Carry out the resume plan: load its checkpoint, apply this run's optimizer values and schedule to it, cut the
+    logs back to the resumed step, and open the trackers' runs (those of the checkpoint or of the run directory
+    this launch continues; a weights-only start is a new run)."""
     plan, logger = run.resume, run.logger
     path = run.checkpointer.resume(plan)
     if path is not None:
@@ -319,16 +327,8 @@ def _resume(run: Run) -> None:
         logger.start_step = run.step
     if plan.appends_logs:
         logger.resume(run.step)  # drop what a killed attempt logged after the checkpoint
-
-
-def _check_run_dir_agreement(run_dir: str) -> None:
-    if dist.get_world_size() == 1:
-        return
-    dirs = [None] * dist.get_world_size()
-    dist.all_gather_object(dirs, os.path.abspath(run_dir))
-    if len(set(dirs)) > 1:
-        raise TesseraError(f"ranks disagree on the run directory ({sorted(set(dirs))[:2]} ...); set "
-                           f"hydra.run.dir=<one path> on every node")
+    logger.start_trackers(run.step, continues=plan.appends_logs and not plan.weights_only,
+                          checkpoint=path if plan.full else None)
 
 
 def close(run: Optional[Run], graceful: bool = True) -> None:
@@ -338,7 +338,7 @@ def close(run: Optional[Run], graceful: bool = True) -> None:
             run.stop.restore()
         if run.checkpointer is not None and graceful:
             run.checkpointer.close()
-        run.logger.close()
+        run.logger.close(ok=graceful)
         run.watchdog.close(ended=graceful)  # peers still finishing do not take this rank's silence for a fault
         run.ft.close()
         run.strategy.close()

@@ -274,3 +274,4 @@ def export_final(run) -> None:
             written = export_hf(run.strategy, run.cfg, out, run.tokenizer,
                                 adapter_dir=os.path.join(run.run_dir, "hf-adapter"))
         run.logger.info(f"exported the model to {' and '.join(written)}")
+        run.logger.exported(written)  # the folders' paths to the experiment trackers
