@@ -105,22 +105,30 @@ def compose_or_exit(argv):
     code 2, where Hydra would print its own report and exit 1."""
     try:
         return compose_job(argv[1:])
-    except (HydraException, OmegaConfBaseException, ValueError) as e:
-        lines = []
-        for x in _chain(e):
-            for line in str(x).splitlines():
-                line = line.strip().rstrip(".")
-                if line.startswith("Config search path"):
-                    break
-                if line and line not in lines and not line.startswith(NOISE) and "$VALUE" not in line \
-                        and line != "None" and not line.startswith("invalid literal"):
-                    lines.append(line)
-        detail = "; ".join(lines).replace(":;", ":") or one_line(e)
-        if getattr(e, "override", None):  # a parse error: name the override (a value with = or spaces needs quotes)
-            detail = f"{e.override!r} does not parse ({detail}); quote a value that holds '=' or spaces: key='a=b'"
-        exit_with(f"the command line does not compose: {detail} (the keys are in trainer/config/schema.py; "
-                  f"`python trainer/main.py --cfg job` prints the whole config)", EXIT_BAD_INPUT,
-                  same_on_every_rank=True)
+    except COMPOSE_ERRORS as e:
+        exit_with(compose_message(e), EXIT_BAD_INPUT, same_on_every_rank=True)
+
+
+COMPOSE_ERRORS = (HydraException, OmegaConfBaseException, ValueError)
+
+
+def compose_message(e: BaseException) -> str:
+    """One message for a composition problem (one of COMPOSE_ERRORS): Hydra's lines without its noise, naming the
+    override that does not parse (also python -m trainer.parity, for each side)."""
+    lines = []
+    for x in _chain(e):
+        for line in str(x).splitlines():
+            line = line.strip().rstrip(".")
+            if line.startswith("Config search path"):
+                break
+            if line and line not in lines and not line.startswith(NOISE) and "$VALUE" not in line \
+                    and line != "None" and not line.startswith("invalid literal"):
+                lines.append(line)
+    detail = "; ".join(lines).replace(":;", ":") or one_line(e)
+    if getattr(e, "override", None):  # a parse error: name the override (a value with = or spaces needs quotes)
+        detail = f"{e.override!r} does not parse ({detail}); quote a value that holds '=' or spaces: key='a=b'"
+    return (f"the command line does not compose: {detail} (the keys are in trainer/config/schema.py; "
+            f"`python trainer/main.py --cfg job` prints the whole config)")
 
 
 @contextmanager
