@@ -17,8 +17,9 @@ JOB = None if hydra_flags(sys.argv) else compose_or_exit(sys.argv)
 import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 
-from trainer.config.compose import register_resolvers, run_job  # noqa: E402
+from trainer.config.compose import register_hydra_plugins, register_resolvers, run_job  # noqa: E402
 from trainer.config.schema import register_configs, to_object  # noqa: E402
+from trainer.launch import sweep  # noqa: E402
 from trainer.run import build as B  # noqa: E402
 from trainer.run.loop import export_final, fit  # noqa: E402
 
@@ -43,7 +44,10 @@ def main() -> None:
     else:  # @hydra.main composes: the schema and the ${run_name:} resolver first
         register_configs()
         register_resolvers()
+        register_hydra_plugins()
         hydra.main(config_path="../conf", config_name="config", version_base=None)(train)()
+        if sweep.FINISHED:  # a multirun through hydra/launcher=tessera: 0, or the first failed job's exit code
+            sys.exit(sweep.sweep_exit_code(sweep.FINISHED))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ launcher choice, the planner, the exporter, tests)."""
 from __future__ import annotations
 
 import os
+import sys
 import time
+import types
 from pathlib import Path
 
 from hydra import compose as hydra_compose
@@ -19,6 +21,19 @@ from trainer.config.schema import register_configs
 
 REPO = Path(__file__).resolve().parents[2]
 CONF_DIR = REPO / "conf"
+# Hydra finds launchers only in the `hydra_plugins` namespace: Tessera's (hydra/launcher=tessera, the default) lives
+# in trainer/launch/hydra_plugins/tessera_launcher and joins that namespace before Hydra first scans it.
+PLUGINS_DIR = str(REPO / "trainer" / "launch" / "hydra_plugins")
+
+
+def register_hydra_plugins() -> None:
+    try:
+        import hydra_plugins  # a namespace that installed Hydra plugins may (or may not) provide
+    except ImportError:
+        hydra_plugins = sys.modules.setdefault("hydra_plugins", types.ModuleType("hydra_plugins"))
+        hydra_plugins.__path__ = []
+    if PLUGINS_DIR not in list(hydra_plugins.__path__):
+        hydra_plugins.__path__.append(PLUGINS_DIR)
 
 
 def compose(overrides):
@@ -26,6 +41,7 @@ def compose(overrides):
     Hydra, not the run). Composition problems (unknown keys, wrong types) propagate."""
     register_configs()
     register_resolvers()
+    register_hydra_plugins()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         return hydra_compose(config_name="config", overrides=[o for o in overrides if not o.startswith("hydra.")])
 
@@ -35,6 +51,7 @@ def compose_job(overrides) -> DictConfig:
     @hydra.main composes a plain run (the job is called "main", after trainer/main.py). Problems propagate."""
     register_configs()
     register_resolvers()
+    register_hydra_plugins()
     with initialize_config_dir(config_dir=str(CONF_DIR), job_name="main", version_base=None):
         # hydra.mode=RUN: what @hydra.main adds for a run without -m (a sweep goes through @hydra.main itself)
         return GlobalHydra.instance().hydra.compose_config("config", list(overrides) + ["hydra.mode=RUN"],
