@@ -16,6 +16,7 @@ from typing import List, Optional
 from tessera.errors import TesseraError
 from trainer.observe.parity import output
 from trainer.observe.parity.compare import Comparison, compare, tolerance_for
+from trainer.observe.parity.fit import too_big
 from trainer.observe.parity.runs import run_side
 from trainer.observe.parity.shrink import shrink
 from trainer.observe.parity.sides import LAUNCHERS, ParityError, Side, check_pair, forced, make_side
@@ -46,7 +47,10 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{flag}launcher", choices=LAUNCHERS,
                        help=f"launcher of side {side} (default: launch.sh's choice for its strategy)")
     p.add_argument("--shrink", action="store_true", help="run a debug-size model of the same architecture "
-                                                         "(model=hf: a shrunk copy with random weights)")
+                                                         "(model=hf: a shrunk copy with random weights); on by "
+                                                         "itself when a side does not fit this machine")
+    p.add_argument("--no-shrink", action="store_true", help="refuse (exit 2) instead of shrinking a model that "
+                                                            "does not fit this machine")
     p.add_argument("--timeout", type=float, default=1800, help="seconds one side may run (default 1800)")
     return p
 
@@ -76,14 +80,20 @@ def prepare(args) -> tuple:
         if os.path.isdir(os.path.join(out_dir, name)) and os.listdir(os.path.join(out_dir, name)):
             raise ParityError(f"{os.path.join(out_dir, name)} holds an earlier parity run; pass another --out DIR")
     make_folder(out_dir)
-    return a, b, cfg_a, out_dir
+    return a, b, cfg_a, cfg_b, out_dir
 
 
 def run(args) -> int:
-    a, b, cfg_a, out_dir = prepare(args)
+    a, b, cfg_a, cfg_b, out_dir = prepare(args)
     notes: List[str] = [f"{args.steps} steps, every one logged; no evaluation, export or checkpoint"]
     extra = forced(args.steps)
-    if args.shrink:
+    big = None if args.shrink else too_big([("A", cfg_a, a.nproc), ("B", cfg_b, b.nproc)])
+    if big and args.no_shrink:
+        raise ParityError(f"{big}; drop --no-shrink to compare a shrunk copy of the model")
+    if big:
+        notes.append(f"{big}: the model was shrunk")
+        print(f"{big}: comparing a shrunk copy of the model (--no-shrink refuses instead)", flush=True)
+    if args.shrink or big:
         shrunk, note = shrink(cfg_a, out_dir)
         extra, notes = extra + shrunk, notes + [note]
         print(note, flush=True)
