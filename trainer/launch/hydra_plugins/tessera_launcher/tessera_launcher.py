@@ -2,7 +2,6 @@
 <hydra.sweep.dir>/<job number>; a failed job does not stop the sweep; a summary table ends it (the work is in
 trainer/launch/sweep.py; Hydra finds launchers only in the hydra_plugins package)."""
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Sequence
 
@@ -14,12 +13,10 @@ from omegaconf import DictConfig, open_dict
 from trainer.launch import sweep
 
 
-@dataclass
-class TesseraLauncherConf:
-    _target_: str = "hydra_plugins.tessera_launcher.tessera_launcher.TesseraLauncher"
-
-
-ConfigStore.instance().store(group="hydra/launcher", name="tessera", node=TesseraLauncherConf, provider="tessera")
+# A plain node, not a dataclass: configs that other launchers pickle (submitit) then name no class of this module,
+# which their job processes could not import.
+ConfigStore.instance().store(group="hydra/launcher", name="tessera", provider="tessera",
+                             node={"_target_": "hydra_plugins.tessera_launcher.tessera_launcher.TesseraLauncher"})
 
 
 class TesseraLauncher(Launcher):
