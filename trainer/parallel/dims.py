@@ -140,6 +140,13 @@ def env_local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
+def env_spans_nodes() -> bool:
+    """Several nodes, each with a launcher of its own: more ranks than this node's (torchrun's LOCAL_WORLD_SIZE,
+    DeepSpeed's LOCAL_SIZE)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")
+    return bool(local) and env_world_size() > int(local)
+
+
 def select_device(spec: str) -> torch.device:
     """auto: the local rank's CUDA device when CUDA is available, else CPU."""
     if spec == "auto":

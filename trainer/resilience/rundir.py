@@ -119,8 +119,7 @@ def job_token() -> str:
     if "TORCHELASTIC_RUN_ID" in os.environ:
         return (f"torchrun:{os.environ['TORCHELASTIC_RUN_ID']}:{os.environ.get('MASTER_ADDR', '')}:"
                 f"{os.environ.get('MASTER_PORT', '')}")
-    local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")  # torchrun's / DeepSpeed's name
-    if local and parallel.env_world_size() > int(local):
+    if parallel.env_spans_nodes():
         # several nodes, each with a launcher of its own (the deepspeed launcher's --no_ssh): the process group's
         # address is what they share (and no other live job can listen on it)
         return f"nodes:{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"

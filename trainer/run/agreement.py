@@ -18,6 +18,7 @@ from typing import Dict, List
 import torch.distributed as dist
 
 from tessera.errors import ConfigError, TesseraError
+from trainer.parallel.dims import env_spans_nodes
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCES = ("trainer", "models", "tessera")  # the packages whose code every node must run alike
@@ -53,22 +54,28 @@ def flat_config(cfg) -> Dict[str, str]:
     return out
 
 
-def _nodes_view(cfg) -> dict:
-    return {"host": socket.gethostname(), "rank": dist.get_rank(), "code": code_fingerprint(),
-            "config": flat_config(cfg)}
+def _view(run_dir: str, cfg, nodes: bool) -> dict:
+    """What this rank tells the others; the code and the config only in a job of several nodes (one node's ranks
+    come from one launch: one checkout, one command line)."""
+    view = {"host": socket.gethostname(), "rank": dist.get_rank(), "run_dir": os.path.abspath(run_dir),
+            "code": "", "config": {}}
+    if nodes:
+        view.update(code=code_fingerprint(), config=flat_config(cfg))
+    return view
 
 
 def check_agreement(run_dir: str, cfg) -> None:
-    """Every rank: the same run directory path, the same code and config; across nodes, a shared run folder."""
+    """Every rank: the same run directory path; across nodes also the same code and config, and a shared run
+    folder."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
+    nodes = env_spans_nodes()
     views: List[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
-    dist.all_gather_object(views, dict(_nodes_view(cfg), run_dir=os.path.abspath(run_dir)))
+    dist.all_gather_object(views, _view(run_dir, cfg, nodes))
     problems = _differences(views)
     if problems:
         raise ConfigError(problems)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or dist.get_world_size())
-    if dist.get_world_size() > local:
+    if nodes:
         check_shared_folder(run_dir)
 
 
