@@ -27,6 +27,7 @@ from trainer.launch.torchrun import Forwarder, children, outcome_after_stop
 from trainer.launch import ds_ops, restarts
 
 LAUNCH_MODULE = "deepspeed.launcher.launch"
+RUNNER_MODULE = "trainer.launch.deepspeed_runner"  # DeepSpeed's runner, imported without mlflow
 
 
 def _cmdline(pid: int) -> str:
@@ -111,7 +112,7 @@ def _launch(argv) -> int:
     def attempt() -> int:
         nonlocal runner
         env = dict(os.environ, TESSERA_LAUNCHER_PID=str(os.getpid()))
-        runner = subprocess.Popen([sys.executable, "-u", "-m", "deepspeed.launcher.runner", *argv], env=env,
+        runner = subprocess.Popen([sys.executable, "-u", "-m", RUNNER_MODULE, *argv], env=env,
                                   start_new_session=True)
         return outcome_after_stop(runner.wait(), stop)
 

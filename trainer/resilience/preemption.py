@@ -81,7 +81,8 @@ class StopRequest:
 
 # Launchers, recognised by their command line: a module run with -m, or a console script's name.
 LAUNCHER_MODULES = ("deepspeed.launcher.launch", "deepspeed.launcher.runner", "torch.distributed.run",
-                    "torch.distributed.launch", "trainer.torchrun", "trainer.launch.torchrun", "trainer.launch.deepspeed")
+                    "torch.distributed.launch", "trainer.torchrun", "trainer.launch.torchrun", "trainer.launch.deepspeed",
+                    "trainer.launch.deepspeed_runner")
 LAUNCHER_SCRIPTS = ("torchrun", "deepspeed")
 _PR_SET_PDEATHSIG = 1
 _guard_started = False

@@ -1,0 +1,45 @@
+"""tessera/import_time.py: DeepSpeed imported by a Tessera process leaves mlflow out (1.5 s of start-up), and mlflow
+still imports for whoever uses it (the experiment trackers)."""
+import subprocess
+import sys
+
+import pytest
+
+CHECK = """
+import sys, time
+{first}
+t0 = time.process_time()
+import deepspeed
+from deepspeed.autotuning import autotuner
+print('RESULT', autotuner.has_mlflow, 'mlflow' in sys.modules, round(time.process_time() - t0, 2))
+import mlflow
+print('RESULT', mlflow.__name__)
+"""
+
+
+def run(first: str) -> list:
+    proc = subprocess.run([sys.executable, "-c", CHECK.format(first=first)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line.split()[1:] for line in proc.stdout.splitlines() if line.startswith('RESULT ')]
+    return lines[0] + lines[1]  # DeepSpeed's own warnings go to stdout too
+
+
+def test_deepspeed_imports_without_mlflow_in_a_tessera_process_and_mlflow_still_imports():
+    pytest.importorskip("mlflow")
+    has_mlflow, loaded, _, name = run("import trainer")
+    assert (has_mlflow, loaded, name) == ("False", "False", "mlflow")
+
+
+def test_without_tessera_the_autotuner_imports_mlflow():
+    """The finder is what makes the difference (if DeepSpeed stops importing mlflow, this fails: drop the module)."""
+    pytest.importorskip("mlflow")
+    has_mlflow, loaded, _, _ = run("")
+    assert (has_mlflow, loaded) == ("True", "True")
+
+
+def test_the_deepspeed_runner_runs_under_tessera_and_answers_help():
+    proc = subprocess.run([sys.executable, "-m", "trainer.launch.deepspeed_runner", "--help"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "usage: deepspeed [-h]" in proc.stdout, proc.stdout[:300]

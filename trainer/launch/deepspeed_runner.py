@@ -1,0 +1,11 @@
+"""DeepSpeed's runner (`deepspeed.launcher.runner`) in a process that imports `trainer` first, so DeepSpeed's
+import skips mlflow (tessera/import_time.py): `python -m trainer.launch.deepspeed_runner [runner arguments]`,
+started by trainer/launch/deepspeed.py."""
+import runpy
+import sys
+
+import trainer  # noqa: F401 - installs the import-time finder
+
+if __name__ == "__main__":
+    sys.argv[0] = "deepspeed"  # the runner's usage line names the command users know
+    runpy.run_module("deepspeed.launcher.runner", run_name="__main__")
