@@ -98,6 +98,11 @@ class DataConfig:
                                                     "own, else Tessera's documented default.")
     max_records: Optional[int] = documented(None, "Cap on documents/records read (null = all), for quick runs on "
                                                   "big data.")
+    document_separator: Optional[str] = documented(None, "Plain-text files: what ends a document (null = one or "
+                                                         "more blank lines; any other text is matched exactly).")
+    # bounded memory whatever the size of a file or of a document (trainer/data/text_files.py)
+    max_document_chars: int = documented(100_000, "Documents are tokenized in pieces of at most this many "
+                                                  "characters (cut at whitespace), kept as one document.")
     sources: List[MixtureSource] = documented([], "kind=mixture: the tasks, [{name, kind, path, text_field, "
                                                   "weight}, ...]; each its own data, split and loss.")
     temperature: float = documented(1.0, "kind=mixture without weights: a source's share is proportional to its "
@@ -426,6 +431,7 @@ RANGES = {
     "data.split_seed": _at_least(0),
     "data.embedded_documents": _positive(),
     "data.max_records": _positive("null = all records"),
+    "data.max_document_chars": _positive(),
     "strategy.pp_stages_per_rank": _positive(),
     "strategy.zero_stage": ((lambda v: v in (0, 1, 2, 3)), "one of 0, 1, 2, 3 (the strategy group sets it)"),
     "strategy.reduce_bucket_size": _positive("elements"),

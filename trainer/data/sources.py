@@ -9,6 +9,7 @@ import os
 from typing import Iterator, List, Tuple
 
 from tessera.errors import DataError, one_line
+from trainer.data.text_files import Piece, read_documents, text_pieces
 
 TEXT_EXTS = (".txt", ".text", ".md")
 JSON_EXTS = (".json", ".jsonl")
@@ -72,10 +73,7 @@ def _load_local(files: List[str], split_name: str = "train"):
     datasets.disable_progress_bars()
     datasets.utils.logging.set_verbosity_error()  # failures become one DataError below
     try:
-        if kind == "text":
-            # One document per file: packing splits it, and EOS marks where files meet.
-            return datasets.load_dataset("text", data_files=files, sample_by="document", split="train")
-        return datasets.load_dataset(kind, data_files=files, split="train")
+        return datasets.load_dataset(kind, data_files=files, split="train")  # JSON(L) or parquet records
     except Exception as e:  # noqa: BLE001 - datasets raises many types; the user needs one line
         raise DataError(f"data.path: cannot read {', '.join(files[:3])}{' ...' if len(files) > 3 else ''}: "
                         f"{one_line(e.__cause__ or e)}") from None
@@ -104,11 +102,40 @@ def _require_column(ds, field: str, key: str, where: str):
                         f"set {key}")
 
 
-def iter_texts(data_cfg, embedded_fn=None) -> Iterator[str]:
-    """Plain-text documents for packing: embedded, text files/JSONL/parquet (`data.text_field`), or hub."""
+def iter_texts(data_cfg, embedded_fn=None) -> Iterator[Piece]:
+    """Plain-text documents for packing, as pieces of at most data.max_document_chars (trainer/data/text_files.py):
+    embedded, plain-text files (streamed, documents cut at data.document_separator), JSONL/parquet
+    (`data.text_field`), or hub."""
+    cap = data_cfg.max_document_chars
     if data_cfg.kind == "embedded":
-        yield from embedded_fn()
+        for text in embedded_fn():
+            yield from text_pieces(text, cap)
         return
+    if data_cfg.kind != "hub":
+        files = resolve_files(data_cfg.path)
+        if _file_kind(files[0]) == "text":
+            yield from _text_file_documents(files, data_cfg)
+            return
+    for text in _record_texts(data_cfg):
+        yield from text_pieces(text, cap)
+
+
+def _text_file_documents(files: List[str], data_cfg) -> Iterator[Piece]:
+    """The documents of plain-text files, in order, up to data.max_records of them."""
+    count, limit = 0, data_cfg.max_records
+    for f in files:
+        try:
+            for piece in read_documents(f, data_cfg.document_separator, data_cfg.max_document_chars):
+                if limit is not None and count >= limit:
+                    return
+                yield piece
+                count += piece.ends
+        except UnicodeDecodeError as e:
+            raise DataError(f"data.path: cannot read {f}: it is not UTF-8 text ({one_line(e)})") from None
+
+
+def _record_texts(data_cfg) -> Iterator[str]:
+    """The text field of JSONL/parquet records or of a hub dataset."""
     if data_cfg.kind == "hub":
         ds = load_hub(data_cfg.name, data_cfg.config_name, data_cfg.split, data_cfg.revision)
         where = f"data.name={data_cfg.name!r}"
@@ -189,5 +216,9 @@ def describe_source(data_cfg) -> str:
                            "revision": data_cfg.revision, "field": data_cfg.text_field,
                            "max_records": data_cfg.max_records})
     files = resolve_files(data_cfg.path)
-    return json.dumps({"files": files_fingerprint(files), "field": data_cfg.text_field,
-                       "max_records": data_cfg.max_records})
+    source = {"files": files_fingerprint(files), "field": data_cfg.text_field, "max_records": data_cfg.max_records}
+    if data_cfg.max_document_chars != 100_000:  # (the default adds nothing: existing cache entries stay valid)
+        source["max_document_chars"] = data_cfg.max_document_chars
+    if _file_kind(files[0]) == "text":  # documents cut at the separator (one per file before)
+        source["documents"] = "separator" if data_cfg.document_separator is None else data_cfg.document_separator
+    return json.dumps(source)

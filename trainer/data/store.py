@@ -101,7 +101,8 @@ def entry_damage(path: str):
 def build_or_load(cache_dir: str, key: dict, kind: str, vocab_size: int,
                   produce: Callable[[], Iterable[Tuple[np.ndarray, np.ndarray | None]]],
                   log: Callable[[str], None] = print) -> TokenStore:
-    """`produce` yields (token ids, mask or None) per document / example. `key` identifies the entry."""
+    """`produce` yields (token ids, mask or None) per document / example, or (token ids, mask or None, ends) per
+    piece of one, `ends` False for every piece of a document but its last. `key` identifies the entry."""
     key = dict(key, format=FORMAT_VERSION, kind=kind)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     final = os.path.join(cache_dir, digest)
@@ -148,7 +149,7 @@ def _write_entry(folder: str, kind: str, vocab_size: int,
     offsets = [0]
     with open(os.path.join(folder, "tokens.bin"), "wb") as ftok, \
             open(os.path.join(folder, "mask.bin"), "wb") as fmask:
-        for ids, mask in items:
+        for ids, mask, *ends in items:
             ids = np.asarray(ids)
             if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
                 raise DataError(f"token id {int(ids.max())} is outside the model's vocabulary ({vocab_size})")
@@ -156,8 +157,9 @@ def _write_entry(folder: str, kind: str, vocab_size: int,
             if kind == "sft":
                 fmask.write(np.asarray(mask, dtype=np.uint8).tobytes())
             n_tokens += ids.size
-            n_docs += 1
-            offsets.append(n_tokens)
+            if not ends or ends[0]:  # the document ends here
+                n_docs += 1
+                offsets.append(n_tokens)
     np.save(os.path.join(folder, "offsets.npy"), np.asarray(offsets, dtype=np.int64))
     if kind != "sft":
         os.remove(os.path.join(folder, "mask.bin"))

@@ -353,6 +353,7 @@ RANGE_CASES = [
     ("data.split_seed=-1", "data.split_seed=-1 must be >= 0"),
     ("data.embedded_documents=0", "data.embedded_documents=0 must be > 0"),
     ("data.max_records=0", "data.max_records=0 must be > 0"),
+    ("data.max_document_chars=0", "data.max_document_chars=0 must be > 0"),
     ("strategy.pp_stages_per_rank=0", "strategy.pp_stages_per_rank=0 must be > 0"),
     ("strategy.zero_stage=4", "strategy.zero_stage=4 must be one of 0, 1, 2, 3"),
     ("strategy.reduce_bucket_size=0", "strategy.reduce_bucket_size=0.0 must be > 0"),

@@ -1,0 +1,100 @@
+"""Plain-text files of any size, read in bounded pieces: a file is streamed in blocks of READ_BYTES, decoded
+incrementally (UTF-8), and cut into documents at a separator (data.document_separator; null = one or more blank
+lines). A document longer than data.max_document_chars comes out in pieces of at most that many characters (cut
+at the last whitespace before the cap where there is one), which the tokenizer takes one at a time and the store
+keeps as one document (no EOS between them). So memory holds one block and one piece at a time, whatever the size
+of the file or of its documents."""
+from __future__ import annotations
+
+import codecs
+import re
+from dataclasses import dataclass
+from typing import Iterator, List, Optional
+
+READ_BYTES = 1 << 20
+# one or more blank (or whitespace-only) lines; ASCII whitespace only, so cuts found in bytes are the same
+BLANK_LINE = re.compile(r"\n[ \t\r\f\v]*\n[ \t\n\r\f\v]*")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Text of one document, or a part of one: `ends` is False for every piece of a long document but its last."""
+
+    text: str
+    ends: bool = True
+
+
+def _splitter(separator: Optional[str]):
+    if separator is None:
+        return BLANK_LINE
+    if separator == "":
+        raise ValueError("data.document_separator is empty")
+    return re.compile(re.escape(separator))
+
+
+def _decoded_blocks(path: str, read_bytes: int) -> Iterator[str]:
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="strict")
+    with open(path, "rb") as fh:
+        while True:
+            block = fh.read(read_bytes)
+            text = decoder.decode(block, final=not block)
+            if text:
+                yield text
+            if not block:
+                return
+
+
+def _cut(text: str, cap: int) -> int:
+    """Where a piece of a long document ends: the last whitespace within the cap, else the cap."""
+    at = max(text.rfind(" ", 0, cap), text.rfind("\n", 0, cap))
+    return at + 1 if at > 0 else cap
+
+
+def read_documents(path: str, separator: Optional[str] = None, max_chars: int = 100_000,
+                   read_bytes: int = READ_BYTES) -> Iterator[Piece]:
+    """The documents of one text file, in file order, as pieces (see the module's docstring). Leading and
+    trailing whitespace of a document is kept except at the separator itself; empty documents are skipped."""
+    split = _splitter(separator)
+    pending, started = "", False  # `started`: pieces of the current document were already given out
+    for block in _decoded_blocks(path, read_bytes):
+        pending += block
+        parts, pending = _complete_documents(split, pending)
+        for part in parts:
+            yield from _pieces(part, max_chars, started, ends=True)
+            started = False
+        while len(pending) > 2 * max_chars:  # a long document: give out its head, keep reading its tail
+            n = _cut(pending, max_chars)
+            yield Piece(pending[:n], ends=False)
+            started, pending = True, pending[n:]
+    for part in split.split(pending):
+        yield from _pieces(part, max_chars, started, ends=True)
+        started = False
+
+
+def _complete_documents(split, text: str):
+    """(the documents of `text` that a separator ends, the rest). A separator that reaches the end of `text` may
+    go on in the next block, so it is left for then: the cuts never depend on where a block ends."""
+    parts, at = [], 0
+    for m in split.finditer(text):
+        if m.end() >= len(text):
+            break
+        parts.append(text[at:m.start()])
+        at = m.end()
+    return parts, text[at:]
+
+
+def text_pieces(text: str, max_chars: int) -> Iterator[Piece]:
+    """One document's text (a record's field, an embedded document) as pieces of at most max_chars."""
+    yield from _pieces(text, max_chars, started=False, ends=True)
+
+
+def _pieces(text: str, max_chars: int, started: bool, ends: bool) -> Iterator[Piece]:
+    """A document's (remaining) text as pieces of at most max_chars; the last piece carries `ends`."""
+    while len(text) > max_chars:
+        n = _cut(text, max_chars)
+        yield Piece(text[:n], ends=False)
+        text, started = text[n:], True
+    if text.strip():
+        yield Piece(text, ends=ends)
+    elif started and ends:  # a document that ended in whitespace after a cut: close it
+        yield Piece("", ends=True)
