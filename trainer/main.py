@@ -5,7 +5,13 @@
     deepspeed --num_gpus 2 trainer/main.py strategy=ddp         # the deepspeed launcher works too
     ./launch.sh [overrides]                                     # picks the launcher for you
 """
+import os
 import sys
+
+# `python trainer/main.py` puts trainer/ first on sys.path, where trainer/tokenize.py (`python -m trainer.tokenize`)
+# would shadow the standard library's tokenize module; trainer/ is imported as the package `trainer` only.
+if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+    del sys.path[0]
 
 from trainer.run.cli import compose_or_exit, hydra_flags, sanitize_argv, user_errors
 

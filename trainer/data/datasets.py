@@ -22,6 +22,7 @@ from trainer.data.follow import FollowData
 from trainer.data.mixture import build_mixture
 from trainer.data.sampler import GlobalBatchSampler
 from trainer.data.store import TokenStore, build_or_load, default_cache_dir, tokenizer_fingerprint
+from trainer.data.tokenizing import encode_pieces
 from tessera.errors import DataError
 
 IGNORE = -100
@@ -254,26 +255,8 @@ def content_digest(store: TokenStore, edge_bytes: int = 4 << 20) -> str:
 
 
 def _text_items(d, tokenizer):
-    """(token ids, None, ends a document) per piece of text: EOS after each document's last piece. Pieces are
-    tokenized in batches of at most 256 pieces or BATCH_CHARS characters (memory stays bounded)."""
-    eos = tokenizer.eos_token_id
-    batch, chars = [], 0
-    for piece in sources.iter_texts(d, lambda: embedded_documents(d.embedded_documents)):
-        batch.append(piece)
-        chars += len(piece.text)
-        if len(batch) == 256 or chars >= BATCH_CHARS:
-            yield from _encode_batch(tokenizer, batch, eos)
-            batch, chars = [], 0
-    if batch:
-        yield from _encode_batch(tokenizer, batch, eos)
-
-
-BATCH_CHARS = 1_000_000  # a batch's encodings take ~100 bytes per token in the tokenizer
-
-
-def _encode_batch(tokenizer, pieces, eos):
-    for piece, ids in zip(pieces, tokenizer([p.text for p in pieces], add_special_tokens=False)["input_ids"]):
-        yield np.asarray(ids + [eos] if piece.ends else ids, dtype=np.int64), None, piece.ends
+    """(token ids, None, ends a document) per piece of text, in bounded batches (trainer/data/tokenizing.py)."""
+    return encode_pieces(tokenizer, sources.iter_texts(d, lambda: embedded_documents(d.embedded_documents)))
 
 
 def _sft_items(d, tokenizer):

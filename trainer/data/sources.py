@@ -6,7 +6,8 @@ import glob
 import hashlib
 import json
 import os
-from typing import Iterator, List, Tuple
+from dataclasses import dataclass
+from typing import Iterator, List, Optional, Tuple
 
 from tessera.errors import DataError, one_line
 from trainer.data.text_files import Piece, read_documents, text_pieces
@@ -134,77 +135,113 @@ def _text_file_documents(files: List[str], data_cfg) -> Iterator[Piece]:
             raise DataError(f"data.path: cannot read {f}: it is not UTF-8 text ({one_line(e)})") from None
 
 
-def _record_texts(data_cfg) -> Iterator[str]:
-    """The text field of JSONL/parquet records or of a hub dataset."""
-    if data_cfg.kind == "hub":
-        ds = load_hub(data_cfg.name, data_cfg.config_name, data_cfg.split, data_cfg.revision)
-        where = f"data.name={data_cfg.name!r}"
-    else:
-        files = resolve_files(data_cfg.path)
-        ds = _load_local(files)
-        where = f"data.path={data_cfg.path!r}"
+@dataclass
+class Records:
+    """A source of records (JSONL/parquet files or a hub dataset, read through `datasets`): random access by index,
+    so a range of them is one shard of `python -m trainer.tokenize`."""
+
+    ds: object
+    where: str  # names the source in messages
+    form: str  # the text field (text records), or "alpaca" / "chat" (SFT)
+    limit: int  # records used: all, or data.max_records
+
+    def __len__(self):
+        return self.limit
+
+    def rows(self, records: Optional[range] = None) -> Iterator[Tuple[int, dict]]:
+        records = range(self.limit) if records is None else records
+        if len(records):
+            for i, rec in zip(records, self.ds.select(records)):
+                yield i, rec
+
+
+def _dataset(data_cfg, local: str):
+    if reads_hub(data_cfg):
+        return load_hub(data_cfg.name, data_cfg.config_name, data_cfg.split, data_cfg.revision, local=local), \
+            f"data.name={data_cfg.name!r}"
+    files = resolve_files(data_cfg.path)
+    if data_cfg.kind == "sft" and _file_kind(files[0]) == "text":
+        raise DataError(f"data.path={data_cfg.path!r}: SFT data must be JSON, JSONL or parquet records")
+    return _load_local(files), f"data.path={data_cfg.path!r}"
+
+
+def _limited(ds, data_cfg) -> int:
+    return len(ds) if data_cfg.max_records is None else min(len(ds), data_cfg.max_records)
+
+
+def text_records(data_cfg) -> Records:
+    """JSONL/parquet records or a hub dataset whose field data.text_field holds the text."""
+    ds, where = _dataset(data_cfg, "data=text data.path=<a local copy>")
     field = "text" if "text" in ds.column_names and data_cfg.text_field == "text" else data_cfg.text_field
     _require_column(ds, field, "data.text_field", where)
-    limit = data_cfg.max_records
-    for i, rec in enumerate(ds):
-        if limit is not None and i >= limit:
-            return
-        value = rec[field]
+    return Records(ds, where, field, _limited(ds, data_cfg))
+
+
+def record_texts(src: Records, records: Optional[range] = None) -> Iterator[str]:
+    """The non-empty texts of `records` (all by default), each checked."""
+    for i, rec in src.rows(records):
+        value = rec[src.form]
         if value is None:
-            raise DataError(f"{where}: record {i} has no value in field {field!r}")
+            raise DataError(f"{src.where}: record {i} has no value in field {src.form!r}")
         if not isinstance(value, str):
-            raise DataError(f"{where}: record {i} field {field!r} is {type(value).__name__}, not text")
+            raise DataError(f"{src.where}: record {i} field {src.form!r} is {type(value).__name__}, not text")
         if value:
             yield value
 
 
-def iter_sft_records(data_cfg) -> Iterator[Tuple[int, list]]:
-    """Chat `messages` for each record: alpaca-style {instruction, input?, output} becomes one user turn and
-    one assistant turn; chat records carry `messages` [{role, content}]. From data.path, or from the hub dataset
-    data.name where data.path is not set."""
-    if reads_hub(data_cfg):
-        ds = load_hub(data_cfg.name, data_cfg.config_name, data_cfg.split, data_cfg.revision,
-                      local="data.path=<a local copy of the records>")
-        where = f"data.name={data_cfg.name!r}"
-    else:
-        files = resolve_files(data_cfg.path)
-        if _file_kind(files[0]) == "text":
-            raise DataError(f"data.path={data_cfg.path!r}: SFT data must be JSON, JSONL or parquet records")
-        ds = _load_local(files)
-        where = f"data.path={data_cfg.path!r}"
+def _record_texts(data_cfg) -> Iterator[str]:
+    """The text field of JSONL/parquet records or of a hub dataset."""
+    yield from record_texts(text_records(data_cfg))
+
+
+def sft_records(data_cfg) -> Records:
+    """SFT records from data.path, or from the hub dataset data.name where data.path is not set."""
+    ds, where = _dataset(data_cfg, "data.path=<a local copy of the records>")
     cols = set(ds.column_names)
     if "messages" in cols:
-        fmt = "chat"
+        form = "chat"
     elif {"instruction", "output"} <= cols:
-        fmt = "alpaca"
+        form = "alpaca"
     else:
         raise DataError(f"{where}: SFT records need 'instruction' and 'output' (alpaca-style) or 'messages' "
                         f"(chat); found fields: {', '.join(sorted(cols))}")
-    limit = data_cfg.max_records
-    for i, rec in enumerate(ds):
-        if limit is not None and i >= limit:
-            return
-        if fmt == "alpaca":
-            instr, out = rec.get("instruction"), rec.get("output")
-            if not isinstance(instr, str) or not isinstance(out, str) or not out:
-                raise DataError(f"{where}: record {i} needs text in 'instruction' and a non-empty 'output'")
-            extra = rec.get("input") or ""
-            user = instr if not extra else f"{instr}\n\n{extra}"
-            messages = [{"role": "user", "content": user}, {"role": "assistant", "content": out}]
-            if rec.get("system"):
-                messages.insert(0, {"role": "system", "content": rec["system"]})
-        else:
-            messages = rec.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise DataError(f"{where}: record {i} has no 'messages' list")
-            for j, m in enumerate(messages):
-                if not isinstance(m, dict) or not isinstance(m.get("role"), str) or \
-                        not isinstance(m.get("content"), str):
-                    raise DataError(f"{where}: record {i} message {j} needs 'role' and 'content' text")
-            if not any(m["role"] == "assistant" for m in messages):
-                raise DataError(f"{where}: record {i} has no assistant message to learn from")
-            messages = [{"role": m["role"], "content": m["content"]} for m in messages]
-        yield i, messages
+    return Records(ds, where, form, _limited(ds, data_cfg))
+
+
+def iter_sft_records(data_cfg) -> Iterator[Tuple[int, list]]:
+    """Chat `messages` for each record (sft_messages)."""
+    yield from sft_messages(sft_records(data_cfg))
+
+
+def sft_messages(src: Records, records: Optional[range] = None) -> Iterator[Tuple[int, list]]:
+    """Chat `messages` for each of `records`: alpaca-style {instruction, input?, output} becomes one user turn and
+    one assistant turn; chat records carry `messages` [{role, content}]."""
+    for i, rec in src.rows(records):
+        yield i, (_alpaca_messages if src.form == "alpaca" else _chat_messages)(rec, i, src.where)
+
+
+def _alpaca_messages(rec: dict, i: int, where: str) -> list:
+    instr, out = rec.get("instruction"), rec.get("output")
+    if not isinstance(instr, str) or not isinstance(out, str) or not out:
+        raise DataError(f"{where}: record {i} needs text in 'instruction' and a non-empty 'output'")
+    extra = rec.get("input") or ""
+    user = instr if not extra else f"{instr}\n\n{extra}"
+    messages = [{"role": "user", "content": user}, {"role": "assistant", "content": out}]
+    if rec.get("system"):
+        messages.insert(0, {"role": "system", "content": rec["system"]})
+    return messages
+
+
+def _chat_messages(rec: dict, i: int, where: str) -> list:
+    messages = rec.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: record {i} has no 'messages' list")
+    for j, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise DataError(f"{where}: record {i} message {j} needs 'role' and 'content' text")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise DataError(f"{where}: record {i} has no assistant message to learn from")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
 def describe_source(data_cfg) -> str:

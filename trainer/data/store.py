@@ -19,6 +19,7 @@ from typing import Callable, Iterable, Iterator, Tuple
 import numpy as np
 
 from tessera.errors import DataError, one_line
+from trainer.data.shards import write_shard
 
 FORMAT_VERSION = 2  # 2: document offsets for text too (data.packing=documents)
 
@@ -48,10 +49,6 @@ def file_lock(path: str):
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-def _token_dtype(vocab_size: int):
-    return np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
 
 
 class TokenStore:
@@ -125,12 +122,12 @@ def build_or_load(cache_dir: str, key: dict, kind: str, vocab_size: int,
                                 f"TESSERA_CACHE) to a writable folder", same_on_every_rank=False) from None
         tmp = f"{final}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
         try:
             t0 = time.time()
             meta = _write_entry(tmp, kind, vocab_size, produce())
             meta["key"], meta["kind"] = key, kind
-            meta["files"] = {name: os.path.getsize(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))}
+            meta["files"] = {name: os.path.getsize(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))
+                             if name != "shard.json"}
             with open(os.path.join(tmp, "meta.json"), "w") as fh:
                 json.dump(meta, fh)
             os.rename(tmp, final)
@@ -144,25 +141,9 @@ def build_or_load(cache_dir: str, key: dict, kind: str, vocab_size: int,
 
 def _write_entry(folder: str, kind: str, vocab_size: int,
                  items: Iterator[Tuple[np.ndarray, np.ndarray | None]]) -> dict:
-    dtype = _token_dtype(vocab_size)
-    n_tokens, n_docs = 0, 0
-    offsets = [0]
-    with open(os.path.join(folder, "tokens.bin"), "wb") as ftok, \
-            open(os.path.join(folder, "mask.bin"), "wb") as fmask:
-        for ids, mask, *ends in items:
-            ids = np.asarray(ids)
-            if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-                raise DataError(f"token id {int(ids.max())} is outside the model's vocabulary ({vocab_size})")
-            ftok.write(ids.astype(dtype).tobytes())
-            if kind == "sft":
-                fmask.write(np.asarray(mask, dtype=np.uint8).tobytes())
-            n_tokens += ids.size
-            if not ends or ends[0]:  # the document ends here
-                n_docs += 1
-                offsets.append(n_tokens)
-    np.save(os.path.join(folder, "offsets.npy"), np.asarray(offsets, dtype=np.int64))
-    if kind != "sft":
-        os.remove(os.path.join(folder, "mask.bin"))
-    if n_docs == 0 or n_tokens == 0:
+    """The entry's files, written by the token store's shard writer (trainer/data/shards.py): a cache entry is one
+    shard with a meta.json naming its key."""
+    shard = write_shard(folder, kind, vocab_size, ((ids, mask, ends[0] if ends else True) for ids, mask, *ends in items))
+    if shard["num_documents"] == 0 or shard["num_tokens"] == 0:
         raise DataError("the data source produced no tokens (no non-empty documents or records)")
-    return {"dtype": np.dtype(dtype).name, "num_tokens": n_tokens, "num_documents": n_docs}
+    return {"dtype": shard["dtype"], "num_tokens": shard["num_tokens"], "num_documents": shard["num_documents"]}

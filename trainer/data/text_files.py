@@ -32,11 +32,15 @@ def _splitter(separator: Optional[str]):
     return re.compile(re.escape(separator))
 
 
-def _decoded_blocks(path: str, read_bytes: int) -> Iterator[str]:
+def _decoded_blocks(path: str, read_bytes: int, start: int = 0, end: Optional[int] = None) -> Iterator[str]:
+    """Bytes [start, end) of the file (end None: to its end), decoded as UTF-8 block by block."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="strict")
     with open(path, "rb") as fh:
+        fh.seek(start)
+        left = float("inf") if end is None else end - start
         while True:
-            block = fh.read(read_bytes)
+            block = fh.read(int(min(read_bytes, left)))
+            left -= len(block)
             text = decoder.decode(block, final=not block)
             if text:
                 yield text
@@ -51,12 +55,13 @@ def _cut(text: str, cap: int) -> int:
 
 
 def read_documents(path: str, separator: Optional[str] = None, max_chars: int = 100_000,
-                   read_bytes: int = READ_BYTES) -> Iterator[Piece]:
-    """The documents of one text file, in file order, as pieces (see the module's docstring). Leading and
-    trailing whitespace of a document is kept except at the separator itself; empty documents are skipped."""
+                   read_bytes: int = READ_BYTES, start: int = 0, end: Optional[int] = None) -> Iterator[Piece]:
+    """The documents of one text file, in file order, as pieces (see the module's docstring); with `start` and
+    `end` (from document_starts) the documents of that byte range. Leading and trailing whitespace of a document
+    is kept except at the separator itself; empty documents are skipped."""
     split = _splitter(separator)
     pending, started = "", False  # `started`: pieces of the current document were already given out
-    for block in _decoded_blocks(path, read_bytes):
+    for block in _decoded_blocks(path, read_bytes, start, end):
         pending += block
         parts, pending = _complete_documents(split, pending)
         for part in parts:
@@ -98,3 +103,35 @@ def _pieces(text: str, max_chars: int, started: bool, ends: bool) -> Iterator[Pi
         yield Piece(text, ends=ends)
     elif started and ends:  # a document that ended in whitespace after a cut: close it
         yield Piece("", ends=True)
+
+
+def document_starts(path: str, separator: Optional[str], every: int, read_bytes: int = READ_BYTES) -> List[int]:
+    """Byte offsets that cut the file into ranges of whole documents of about `every` bytes: 0, then the first
+    document start at or after each multiple of `every` (where read_documents would begin a document), then the
+    file's size. Found on the bytes (separators are ASCII whitespace or the separator's UTF-8 bytes, which never
+    occur inside another character), one block at a time."""
+    split = _byte_splitter(separator)
+    cuts, base, pending, size = [0], 0, b"", 0
+    with open(path, "rb") as fh:
+        while True:
+            block = fh.read(read_bytes)
+            size += len(block)
+            pending += block
+            at = 0
+            for m in split.finditer(pending):
+                if block and m.end() >= len(pending):
+                    break  # may go on in the next block
+                at = m.end()
+                if base + at >= cuts[-1] + every and base + at < size:
+                    cuts.append(base + at)
+            if not block:
+                break
+            keep = max(at, len(pending) - 4 * read_bytes)  # a separator never spans more than what is kept
+            base, pending = base + keep, pending[keep:]
+    return cuts + [size] if size > cuts[-1] else cuts
+
+
+def _byte_splitter(separator: Optional[str]):
+    if separator is None:
+        return re.compile(BLANK_LINE.pattern.encode())
+    return re.compile(re.escape(separator.encode("utf-8")))
