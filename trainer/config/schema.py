@@ -59,7 +59,8 @@ class ModelConfig:
 @dataclass
 class MixtureSource:
     name: str = documented("", "The task's name in metrics.jsonl and eval.jsonl (letters, digits, _ and -).")
-    kind: str = documented("text", "text (documents: text / JSON(L) / parquet) or sft (instruction records).")
+    kind: str = documented("text", "text (documents: text / JSON(L) / parquet), sft (instruction records) or tokens "
+                                   "(token stores).")
     path: Optional[str] = documented(None, "A file, folder or glob, or several separated by commas.")
     text_field: str = documented("text", "kind=text: the field of JSON/JSONL/parquet records that holds the text.")
     weight: Optional[float] = documented(None, "Share of every global batch (relative); null on every source: by "
@@ -69,7 +70,7 @@ class MixtureSource:
 @dataclass
 class DataConfig:
     kind: str = documented("embedded", "embedded (generated in code, no files), text (local text / JSON(L) / "
-                                       "parquet), hub (a hub dataset by name) or sft (instruction data).")
+                                       "parquet), hub, sft (instruction data) or tokens (token stores).")
     path: Optional[str] = documented(None, "kind=text or sft: a file, folder or glob, or several separated by "
                                            "commas (for sft it wins over data.name).")
     name: Optional[str] = documented(None, "kind=hub, or sft without data.path: the hub dataset id.")
@@ -376,7 +377,7 @@ def to_object(cfg: DictConfig | TesseraConfig) -> TesseraConfig:
 
 CHOICES = {
     "model.kind": ("llama", "gpt2", "hf"),
-    "data.kind": ("embedded", "text", "hub", "sft", "mixture"),
+    "data.kind": ("embedded", "text", "hub", "sft", "mixture", "tokens"),
     "data.packing": ("eos", "documents"),
     "optim.name": ("adamw", "sgd"),
     "optim.implementation": ("auto", "fused", "foreach", "for_loop"),
@@ -530,8 +531,8 @@ def mixture_problems(d) -> List[str]:
         elif src.name in names:
             problems.append(f"{key}.name={src.name!r} names two sources; give each its own name")
         names.append(src.name)
-        if src.kind not in ("text", "sft"):
-            problems.append(f"{key}.kind={src.kind!r} is not one of text, sft")
+        if src.kind not in ("text", "sft", "tokens"):
+            problems.append(f"{key}.kind={src.kind!r} is not one of text, sft, tokens")
         if not src.path:
             problems.append(f"{key}.path must be set (a file, folder or glob)")
         if src.weight is not None and not (_finite(src.weight) and src.weight >= 0):
@@ -579,8 +580,9 @@ def validate(cfg: TesseraConfig, world_size: int) -> List[str]:
     problems += range_problems(cfg)
     if len(cfg.optim.betas) != 2 or not all(_finite(b) and 0 <= b < 1 for b in cfg.optim.betas):
         problems.append(f"optim.betas={list(cfg.optim.betas)} must be two numbers in [0, 1)")
-    if cfg.data.kind == "text" and not cfg.data.path:
-        problems.append("data.path must be set for data.kind=text (a file, folder or glob)")
+    if cfg.data.kind in ("text", "tokens") and not cfg.data.path:
+        what = "a file, folder or glob" if cfg.data.kind == "text" else "token store folders: python -m trainer.tokenize"
+        problems.append(f"data.path must be set for data.kind={cfg.data.kind} ({what})")
     if cfg.data.kind == "sft" and not cfg.data.path and not cfg.data.name:
         problems.append("data.path (a file, folder or glob) or data.name (a hub dataset) must be set for "
                         "data.kind=sft")

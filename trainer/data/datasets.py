@@ -16,7 +16,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from trainer.data import sft, sources
+from trainer.data import sft, sources, token_stores
 from trainer.data.embedded import VERSION as EMBEDDED_VERSION, embedded_documents
 from trainer.data.follow import FollowData
 from trainer.data.mixture import build_mixture
@@ -178,10 +178,11 @@ class DataSplits:
     num_tokens: int
     description: str
     tasks: tuple = ()  # data.kind=mixture: the sources' names (each batch row then carries its task index)
+    sampler_cls: type = GlobalBatchSampler  # data=tokens: token_stores.LazyOrderSampler (no index arrays)
 
     def sampler(self, global_batch_size: int, seed: int):
         """The global-batch sampler over the training split (trainer/data/sampler.py)."""
-        return GlobalBatchSampler(len(self.train), global_batch_size, seed)
+        return self.sampler_cls(len(self.train), global_batch_size, seed)
 
 
 def build_data(cfg, tokenizer, vocab_size: int, log: Callable[[str], None] = print) -> DataSplits:
@@ -198,6 +199,8 @@ def build_data(cfg, tokenizer, vocab_size: int, log: Callable[[str], None] = pri
 
 def _build_source(d, tokenizer, vocab_size: int, log: Callable[[str], None], where: str = "") -> DataSplits:
     """The sequences of one data source, tokenized (cached) and split."""
+    if d.kind == "tokens":
+        return _token_store_source(d, tokenizer, vocab_size, log, where)
     cache_dir = d.cache_dir or default_cache_dir()
     if d.kind == "sft":
         sft.ensure_chat_template(tokenizer, d.chat_template)
@@ -207,13 +210,7 @@ def _build_source(d, tokenizer, vocab_size: int, log: Callable[[str], None], whe
         store = build_or_load(cache_dir, key, "sft", vocab_size, lambda: _sft_items(d, tokenizer), log)
     else:
         store = build_or_load(cache_dir, key, "text", vocab_size, lambda: _text_items(d, tokenizer), log)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if d.packing == "documents":
-        seqs = DocumentPackedSequences(store, d.seq_len, pad_id)
-    elif d.kind == "sft":
-        seqs = SFTSequences(store, d.seq_len, pad_id)
-    else:
-        seqs = PackedSequences(store, d.seq_len)
+    seqs = _sequences(store, d, _pad_id(tokenizer), store.meta["kind"])
     prefix = f"{where}: " if where else ""
     if getattr(seqs, "dropped", 0):
         log(f"warning: {prefix}{seqs.dropped} SFT examples have no response token within data.seq_len={d.seq_len} "
@@ -239,6 +236,57 @@ def _build_source(d, tokenizer, vocab_size: int, log: Callable[[str], None], whe
                  f"{targets / (n * d.seq_len):.1%} of the positions carry loss)")
     return DataSplits(Subset(seqs, train_idx), Subset(seqs, val_idx), fingerprint, store.meta["num_tokens"],
                       prefix + desc)
+
+
+def _pad_id(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def _sequences(store: TokenStore, d, pad_id: int, kind: str):
+    """A token store (a cache entry or one shard) cut into training sequences by data.packing."""
+    if d.packing == "documents":
+        return DocumentPackedSequences(store, d.seq_len, pad_id)
+    if kind == "sft":
+        return SFTSequences(store, d.seq_len, pad_id)
+    return PackedSequences(store, d.seq_len)
+
+
+def _shard_count(folder: str, meta: dict, d, pad_id: int, kind: str) -> tuple:
+    """(sequences, SFT examples dropped) of one shard; text with packing=eos is counted from the manifest."""
+    if kind == "text" and d.packing == "eos":
+        return max(0, (meta["num_tokens"] - 1) // d.seq_len), 0
+    try:
+        seqs = _sequences(TokenStore(folder, meta), d, pad_id, kind)
+    except DataError:  # no sequence of this shard keeps a target token
+        return 0, meta["num_documents"] if kind == "sft" else 0
+    return len(seqs), getattr(seqs, "dropped", 0)
+
+
+def _token_store_source(d, tokenizer, vocab_size: int, log, where: str) -> DataSplits:
+    """data=tokens: sequences over sharded token stores, split and ordered without index arrays."""
+    folders, metas, kind, digest = token_stores.open_stores(d.path, tokenizer, vocab_size)
+    pad_id = _pad_id(tokenizer)
+    counted = [_shard_count(f, m, d, pad_id, kind) for f, m in zip(folders, metas)]
+    seqs = token_stores.ShardedSequences(folders, metas, [c for c, _ in counted],
+                                         lambda store: _sequences(store, d, pad_id, kind))
+    prefix = f"{where}: " if where else ""
+    dropped = sum(x for _, x in counted)
+    if dropped:
+        log(f"warning: {prefix}{dropped} SFT examples have no response token within data.seq_len={d.seq_len} "
+            f"and are skipped")
+    n = len(seqs)
+    n_val = max(1, int(round(n * d.val_fraction))) if d.val_fraction > 0 and n >= 2 else 0
+    if n - n_val < 1:
+        raise DataError(f"{prefix}the token store gives {n} sequence(s) of data.seq_len={d.seq_len} tokens: too few "
+                        f"to train on; add data or lower data.seq_len")
+    perm = token_stores.IndexPermutation(n, ("split", d.split_seed))
+    fingerprint = f"tokens:{digest}:L{d.seq_len}:v{d.val_fraction}:s{d.split_seed}:p{d.packing}"
+    tokens, docs = sum(m["num_tokens"] for m in metas), sum(m["num_documents"] for m in metas)
+    desc = (f"token store ({kind}, {len(folders)} shards): {docs} documents, {tokens} tokens, {n - n_val} train / "
+            f"{n_val} validation sequences of {d.seq_len} tokens")
+    return DataSplits(token_stores.PermutedSubset(seqs, perm, n_val, n - n_val),
+                      token_stores.PermutedSubset(seqs, perm, 0, n_val), fingerprint, tokens, prefix + desc,
+                      sampler_cls=token_stores.LazyOrderSampler)
 
 
 def content_digest(store: TokenStore, edge_bytes: int = 4 << 20) -> str:

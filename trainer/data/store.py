@@ -55,10 +55,13 @@ class TokenStore:
     """A cache entry: `tokens.bin` (all token ids), `offsets.npy` (document / example boundaries) and for SFT
     `mask.bin` (1 = response token). Opened as read-only memory maps."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, meta: dict | None = None):
+        """`meta`: the folder's description (a shard's shard.json), else read from its meta.json."""
         self.path = path
-        with open(os.path.join(path, "meta.json")) as fh:
-            self.meta = json.load(fh)
+        if meta is None:
+            with open(os.path.join(path, "meta.json")) as fh:
+                meta = json.load(fh)
+        self.meta = meta
         dtype = np.dtype(self.meta["dtype"])
         n = self.meta["num_tokens"]
         self.tokens = np.memmap(os.path.join(path, "tokens.bin"), dtype=dtype, mode="r", shape=(n,)) \

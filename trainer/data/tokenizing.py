@@ -248,8 +248,11 @@ def write_shards(job: Job, plan: dict, todo: List[dict], cfg, src: Source, log) 
 def run(job: Job, cfg, tokenizer, vocab_size: int, log: Callable[[str], None] = print) -> Optional[dict]:
     """The whole job; the manifest once every shard of the plan is there, else None (other ranges to come)."""
     store_kind(cfg.data)  # a source that makes one store
-    src = open_source(cfg.data, tokenizer)
+    # the tokenizer as training will load it (data=tokens), before SFT installs its chat template (the source's)
     plan = plan_of(cfg.data, tokenizer, vocab_size, job.shard_bytes, job.shard_records)
+    src = open_source(cfg.data, tokenizer)
+    if cfg.data.kind == "sft":
+        plan["source"]["chat_template"] = tokenizer.chat_template
     agree_on_plan(job.out_dir, plan)
     n = len(plan["shards"])
     if job.shard_range is not None and not (0 <= job.shard_range[0] < job.shard_range[1] <= n):

@@ -18,7 +18,7 @@ CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
 
 GROUPS = {
     "model": ["tiny", "llama_10m", "llama_100m", "gpt2_10m", "gpt2_100m", "hf"],
-    "data": ["default", "text", "hub", "sft", "mixture"],
+    "data": ["default", "text", "hub", "sft", "mixture", "tokens"],
     "strategy": ["single", "ddp", "zero1", "zero2", "zero3", "zero3_offload", "fsdp", "hsdp", "tp", "pp",
                  "fsdp_tp", "pp_fsdp", "3d"],
     "optim": ["adamw", "sgd"],
@@ -80,6 +80,7 @@ def test_every_group_option_composes(compose, group, option):
         ("data", "hub"): lambda c: c.data.kind == "hub",
         ("data", "mixture"): lambda c: c.data.kind == "mixture" and c.data.sources == [],
         ("data", "sft"): lambda c: c.data.kind == "sft",
+        ("data", "tokens"): lambda c: c.data.kind == "tokens" and c.data.path is None,
         ("strategy", "single"): lambda c: c.strategy.name == "single",
         ("strategy", "ddp"): lambda c: c.strategy.name == "ddp",
         ("strategy", "zero1"): lambda c: c.strategy.name == "zero1" and c.strategy.zero_stage == 1,

@@ -86,7 +86,7 @@ def test_rows_carry_their_task_and_are_counted_by_their_source():
     ("[{name: a, path: x.txt, weight: 1}, {name: b, path: y.txt}]", "set a weight on every source, or on none"),
     ("[{name: a, path: x.txt}, {name: a, path: y.txt}]", "data.sources[1].name='a' names two sources"),
     ("[{name: 'a b', path: x.txt}]", "must be a name of letters, digits"),
-    ("[{name: a, kind: hub, path: x}]", "data.sources[0].kind='hub' is not one of text, sft"),
+    ("[{name: a, kind: hub, path: x}]", "data.sources[0].kind='hub' is not one of text, sft, tokens"),
     ("[{name: a}]", "data.sources[0].path must be set"),
     ("[]", "data.kind=mixture needs data.sources"),
 ])
