@@ -223,6 +223,16 @@ def _work(args) -> Tuple[int, dict]:
     return spec["index"], write_one(out_dir, plan, spec, _WORKER["source"])
 
 
+def _context():
+    """Workers forked from a server process that imported this module once (torch, transformers): each starts in
+    a fraction of a second, and none inherits this process's threads (pyarrow's, the tokenizer's)."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    return ctx
+
+
 def write_shards(job: Job, plan: dict, todo: List[dict], cfg, src: Source, log) -> None:
     """Tokenize `todo` with job.workers processes (in this process for one), logging each shard as it lands."""
     t0, done_tokens, total = time.time(), 0, len(todo)
@@ -231,7 +241,7 @@ def write_shards(job: Job, plan: dict, todo: List[dict], cfg, src: Source, log) 
         results = ((spec["index"], write_one(job.out_dir, plan, spec, src)) for spec in todo)
         pool = None
     else:
-        pool = mp.get_context("spawn").Pool(job.workers, initializer=_init_worker, initargs=(cfg.data, cfg.model))
+        pool = _context().Pool(job.workers, initializer=_init_worker, initargs=(cfg.data, cfg.model))
         results = pool.imap_unordered(_work, tasks)
     try:
         for n, (index, meta) in enumerate(results, 1):
