@@ -148,4 +148,8 @@ def iter_manifests(path_spec: str) -> Iterator[Tuple[str, dict]]:
                 hint = " (its shards are not all written: run `python -m trainer.tokenize ... --merge`)" \
                     if os.path.isfile(os.path.join(folder, PLAN)) else ""
                 raise DataError(f"data.path: {folder!r} is not a token store: no {MANIFEST}{hint}")
-            yield folder, read_json(manifest)
+            try:
+                yield folder, read_json(manifest)
+            except (OSError, ValueError) as e:
+                raise DataError(f"data.path: {manifest} cannot be read ({one_line(e)}); write the store's manifest "
+                                f"again with python -m trainer.tokenize ... --merge") from None

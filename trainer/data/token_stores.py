@@ -160,7 +160,12 @@ def open_stores(path_spec: str, tokenizer, vocab_size: int):
                             f"model's vocabulary ({vocab_size})")
         kinds.add(manifest["kind"])
         for shard in manifest["shards"]:
-            folders.append(os.path.join(folder, S.SHARDS, S.shard_name(shard["index"])))
+            path = os.path.join(folder, S.SHARDS, S.shard_name(shard["index"]))
+            damage = S.shard_damage(path)  # by size: a shard removed or cut short since the manifest was written
+            if damage is not None:
+                raise DataError(f"data.path: shard {shard['index']} of {folder!r} is damaged ({damage}); run the "
+                                f"same python -m trainer.tokenize command again (it rewrites damaged shards)")
+            folders.append(path)
             metas.append(shard)
             digests.update(shard["files"]["tokens.bin"]["sha256"].encode())
     if len(kinds) > 1:

@@ -137,3 +137,22 @@ def test_stores_that_do_not_belong_to_the_run_are_refused(tmp_path, store):
         _data(tmp_path, kind="tokens", path=str(tmp_path / "half"))
     with pytest.raises(DataError, match="matches no token store"):
         _data(tmp_path, kind="tokens", path=str(tmp_path / "nothing-*"))
+
+
+def test_a_damaged_store_is_one_message_and_the_tokenize_command_repairs_it(tmp_path, store):
+    copy = tmp_path / "copy"
+    import shutil
+
+    shutil.copytree(store, copy)
+    (copy / "shards" / "00001" / "tokens.bin").write_bytes(b"\0" * 10)
+    with pytest.raises(DataError, match="shard 1 of .* is damaged .*tokens.bin has 10 bytes"):
+        _data(tmp_path, kind="tokens", path=str(copy))
+    cfg = TesseraConfig()
+    cfg.data = DataConfig(kind="text", path=str(store.parent / "corpus.txt"))
+    notes = []
+    run(Job(str(copy), shard_bytes=8000), cfg, embedded_tokenizer(), VOCAB, log=notes.append)
+    assert any("shard 1 is damaged" in m for m in notes)
+    assert len(_data(tmp_path, kind="tokens", path=str(copy), seq_len=16).train) > 0
+    (copy / "manifest.json").write_text("{not json")
+    with pytest.raises(DataError, match="manifest.json cannot be read"):
+        _data(tmp_path, kind="tokens", path=str(copy))
