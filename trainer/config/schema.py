@@ -580,6 +580,9 @@ def validate(cfg: TesseraConfig, world_size: int) -> List[str]:
     problems += range_problems(cfg)
     if len(cfg.optim.betas) != 2 or not all(_finite(b) and 0 <= b < 1 for b in cfg.optim.betas):
         problems.append(f"optim.betas={list(cfg.optim.betas)} must be two numbers in [0, 1)")
+    if cfg.data.document_separator == "":
+        problems.append("data.document_separator='' is empty: null ends documents at blank lines, or give the text "
+                        "that ends one")
     if cfg.data.kind in ("text", "tokens") and not cfg.data.path:
         what = "a file, folder or glob" if cfg.data.kind == "text" else "token store folders: python -m trainer.tokenize"
         problems.append(f"data.path must be set for data.kind={cfg.data.kind} ({what})")

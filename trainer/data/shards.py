@@ -12,6 +12,7 @@ workers or machines. A cache entry of data=text / data=sft is a store of one sha
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import json
@@ -58,6 +59,25 @@ def file_digest(path: str) -> str:
     return h.hexdigest()
 
 
+class _HashedFile:
+    """A file written once, front to back, with its size and sha256 kept on the way (never read back)."""
+
+    def __init__(self, path: str):
+        self.path, self.bytes, self.sha256 = path, 0, hashlib.sha256()
+        self._fh = open(path, "wb")
+
+    def write(self, data: bytes) -> None:
+        self._fh.write(data)
+        self.sha256.update(data)
+        self.bytes += len(data)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._fh.close()
+
+
 def write_shard(folder: str, kind: str, vocab_size: int,
                 items: Iterable[Tuple[np.ndarray, Optional[np.ndarray], bool]]) -> dict:
     """Write one shard into `folder` (created; renamed into place by the caller) from (token ids, mask or None,
@@ -65,23 +85,27 @@ def write_shard(folder: str, kind: str, vocab_size: int,
     dtype = token_dtype(vocab_size)
     n_tokens, offsets = 0, [0]
     os.makedirs(folder)
-    with open(os.path.join(folder, "tokens.bin"), "wb") as ftok, \
-            open(os.path.join(folder, "mask.bin"), "wb") as fmask:
+    tokens, masks = _HashedFile(os.path.join(folder, "tokens.bin")), None
+    if kind == "sft":
+        masks = _HashedFile(os.path.join(folder, "mask.bin"))
+    with tokens, (masks or contextlib.nullcontext()):
         for ids, mask, ends in items:
             ids = np.asarray(ids)
             if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
                 raise DataError(f"token id {int(ids.max())} is outside the model's vocabulary ({vocab_size})")
-            ftok.write(ids.astype(dtype).tobytes())
-            if kind == "sft":
-                fmask.write(np.asarray(mask, dtype=np.uint8).tobytes())
+            tokens.write(ids.astype(dtype).tobytes())
+            if masks is not None:
+                masks.write(np.asarray(mask, dtype=np.uint8).tobytes())
             n_tokens += ids.size
             if ends:
                 offsets.append(n_tokens)
     np.save(os.path.join(folder, "offsets.npy"), np.asarray(offsets, dtype=np.int64))
-    if kind != "sft":
-        os.remove(os.path.join(folder, "mask.bin"))
-    files = {name: {"bytes": os.path.getsize(os.path.join(folder, name)),
-                    "sha256": file_digest(os.path.join(folder, name))} for name in sorted(os.listdir(folder))}
+    files = {"offsets.npy": {"bytes": os.path.getsize(os.path.join(folder, "offsets.npy")),
+                             "sha256": file_digest(os.path.join(folder, "offsets.npy"))}}
+    for written in (tokens, masks):
+        if written is not None:
+            files[os.path.basename(written.path)] = {"bytes": written.bytes, "sha256": written.sha256.hexdigest()}
+    files = dict(sorted(files.items()))
     meta = {"kind": kind, "dtype": np.dtype(dtype).name, "num_tokens": n_tokens, "num_documents": len(offsets) - 1,
             "files": files}
     write_json(os.path.join(folder, "shard.json"), meta)
@@ -118,12 +142,13 @@ def commit_shard(tmp: str, final: str) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def manifest_of(plan: dict, out_dir: str) -> dict:
-    """The manifest from the plan and every shard's shard.json (all present and whole, else a DataError)."""
+def manifest_of(plan: dict, out_dir: str, digests: bool) -> dict:
+    """The manifest from the plan and every shard's shard.json (all present and whole, else a DataError); with
+    `digests` (--merge: shards copied from elsewhere) each file is checked against its sha256 too, else by size."""
     shards, missing = [], []
     for spec in plan["shards"]:
         folder = os.path.join(out_dir, SHARDS, shard_name(spec["index"]))
-        damage = shard_damage(folder, digests=True) if os.path.isdir(folder) else "missing"
+        damage = shard_damage(folder, digests) if os.path.isdir(folder) else "missing"
         if damage:
             missing.append(f"{spec['index']} ({damage})")
             continue

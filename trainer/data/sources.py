@@ -125,14 +125,11 @@ def _text_file_documents(files: List[str], data_cfg) -> Iterator[Piece]:
     """The documents of plain-text files, in order, up to data.max_records of them."""
     count, limit = 0, data_cfg.max_records
     for f in files:
-        try:
-            for piece in read_documents(f, data_cfg.document_separator, data_cfg.max_document_chars):
-                if limit is not None and count >= limit:
-                    return
-                yield piece
-                count += piece.ends
-        except UnicodeDecodeError as e:
-            raise DataError(f"data.path: cannot read {f}: it is not UTF-8 text ({one_line(e)})") from None
+        for piece in read_documents(f, data_cfg.document_separator, data_cfg.max_document_chars):
+            if limit is not None and count >= limit:
+                return
+            yield piece
+            count += piece.ends
 
 
 @dataclass

@@ -129,8 +129,6 @@ def build_or_load(cache_dir: str, key: dict, kind: str, vocab_size: int,
             t0 = time.time()
             meta = _write_entry(tmp, kind, vocab_size, produce())
             meta["key"], meta["kind"] = key, kind
-            meta["files"] = {name: os.path.getsize(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))
-                             if name != "shard.json"}
             with open(os.path.join(tmp, "meta.json"), "w") as fh:
                 json.dump(meta, fh)
             os.rename(tmp, final)
@@ -149,4 +147,5 @@ def _write_entry(folder: str, kind: str, vocab_size: int,
     shard = write_shard(folder, kind, vocab_size, ((ids, mask, ends[0] if ends else True) for ids, mask, *ends in items))
     if shard["num_documents"] == 0 or shard["num_tokens"] == 0:
         raise DataError("the data source produced no tokens (no non-empty documents or records)")
-    return {"dtype": shard["dtype"], "num_tokens": shard["num_tokens"], "num_documents": shard["num_documents"]}
+    return {"dtype": shard["dtype"], "num_tokens": shard["num_tokens"], "num_documents": shard["num_documents"],
+            "files": {name: f["bytes"] for name, f in shard["files"].items()}}

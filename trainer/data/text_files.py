@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass
 from typing import Iterator, List, Optional
 
+from tessera.errors import DataError, one_line
+
 READ_BYTES = 1 << 20
 # one or more blank (or whitespace-only) lines; ASCII whitespace only, so cuts found in bytes are the same
 BLANK_LINE = re.compile(r"\n[ \t\r\f\v]*\n[ \t\n\r\f\v]*")
@@ -28,7 +30,7 @@ def _splitter(separator: Optional[str]):
     if separator is None:
         return BLANK_LINE
     if separator == "":
-        raise ValueError("data.document_separator is empty")
+        raise DataError("data.document_separator='' is empty: null ends documents at blank lines")
     return re.compile(re.escape(separator))
 
 
@@ -59,20 +61,26 @@ def read_documents(path: str, separator: Optional[str] = None, max_chars: int = 
     """The documents of one text file, in file order, as pieces (see the module's docstring); with `start` and
     `end` (from document_starts) the documents of that byte range. Leading and trailing whitespace of a document
     is kept except at the separator itself; empty documents are skipped."""
-    split = _splitter(separator)
+    try:
+        yield from _documents(path, _splitter(separator), max_chars, read_bytes, start, end)
+    except UnicodeDecodeError as e:
+        raise DataError(f"data.path: cannot read {path}: it is not UTF-8 text ({one_line(e)})") from None
+
+
+def _documents(path: str, split, max_chars: int, read_bytes: int, start: int, end: Optional[int]) -> Iterator[Piece]:
     pending, started = "", False  # `started`: pieces of the current document were already given out
     for block in _decoded_blocks(path, read_bytes, start, end):
         pending += block
         parts, pending = _complete_documents(split, pending)
         for part in parts:
-            yield from _pieces(part, max_chars, started, ends=True)
+            yield from _pieces(part, max_chars, started)
             started = False
         while len(pending) > 2 * max_chars:  # a long document: give out its head, keep reading its tail
             n = _cut(pending, max_chars)
             yield Piece(pending[:n], ends=False)
             started, pending = True, pending[n:]
     for part in split.split(pending):
-        yield from _pieces(part, max_chars, started, ends=True)
+        yield from _pieces(part, max_chars, started)
         started = False
 
 
@@ -90,19 +98,20 @@ def _complete_documents(split, text: str):
 
 def text_pieces(text: str, max_chars: int) -> Iterator[Piece]:
     """One document's text (a record's field, an embedded document) as pieces of at most max_chars."""
-    yield from _pieces(text, max_chars, started=False, ends=True)
+    yield from _pieces(text, max_chars, started=False)
 
 
-def _pieces(text: str, max_chars: int, started: bool, ends: bool) -> Iterator[Piece]:
-    """A document's (remaining) text as pieces of at most max_chars; the last piece carries `ends`."""
+def _pieces(text: str, max_chars: int, started: bool) -> Iterator[Piece]:
+    """A document's (remaining) text as pieces of at most max_chars, the last one ending the document; `started`:
+    earlier pieces of it were given out already."""
     while len(text) > max_chars:
         n = _cut(text, max_chars)
         yield Piece(text[:n], ends=False)
         text, started = text[n:], True
     if text.strip():
-        yield Piece(text, ends=ends)
-    elif started and ends:  # a document that ended in whitespace after a cut: close it
-        yield Piece("", ends=True)
+        yield Piece(text)
+    elif started:  # a document that ended in whitespace after a cut: close it
+        yield Piece("")
 
 
 def document_starts(path: str, separator: Optional[str], every: int, read_bytes: int = READ_BYTES) -> List[int]:

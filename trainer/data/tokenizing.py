@@ -50,7 +50,7 @@ def _encode_batch(tokenizer, pieces, eos):
 
 # ---- the plan ------------------------------------------------------------------------------------------------
 def store_kind(d) -> str:
-    if d.kind in ("mixture",) or d.follow:
+    if d.kind == "mixture" or d.follow:
         raise DataError(f"data={d.kind}{' with data.follow' if d.follow else ''} has no one store: tokenize each "
                         f"source into its own store (data=text, sft or hub), and name the stores in the mixture's "
                         f"sources (kind: tokens)")
@@ -64,13 +64,12 @@ def _file_identity(path: str) -> dict:
     return {"name": os.path.basename(path), "bytes": os.path.getsize(path), "head_sha256": head}
 
 
-def plan_of(d, tokenizer, vocab_size: int, shard_bytes: int, shard_records: int) -> dict:
-    """The store's plan: its identity (source, tokenizer, settings) and each shard's input range."""
-    kind = store_kind(d)
+def plan_of(src: Source, fingerprint: str, vocab_size: int, shard_bytes: int, shard_records: int) -> dict:
+    """The store's plan: its identity (source, tokenizer `fingerprint`, settings) and each shard's input range."""
+    d, files = src.data, src.files
     identity = {"kind": d.kind, "text_field": d.text_field, "max_records": d.max_records,
                 "document_separator": d.document_separator, "max_document_chars": d.max_document_chars}
-    files = [] if d.kind == "embedded" or sources.reads_hub(d) else sources.resolve_files(d.path)
-    if files and all(f.endswith(sources.TEXT_EXTS) for f in files) and kind == "text":
+    if src.text_files:
         if d.max_records is not None:
             raise DataError("data.max_records: a token store holds whole text files; leave it unset (null) here "
                             "and cap the training run instead")
@@ -78,28 +77,33 @@ def plan_of(d, tokenizer, vocab_size: int, shard_bytes: int, shard_records: int)
         for i, f in enumerate(files):
             cuts = document_starts(f, d.document_separator, shard_bytes)
             specs += [{"file": i, "start": a, "end": b} for a, b in zip(cuts, cuts[1:])]
-        identity["files"] = [_file_identity(f) for f in files]
     else:
-        n = _record_count(d)
+        n = d.embedded_documents if d.kind == "embedded" else len(src.record_source())
         specs = [{"records": [a, min(a + shard_records, n)]} for a in range(0, n, shard_records)]
-        if files:
-            identity["files"] = [_file_identity(f) for f in files]
-        elif d.kind == "embedded":
-            identity["embedded"] = [d.embedded_documents, EMBEDDED_VERSION]
-        else:
-            identity["hub"] = [d.name, d.config_name, d.split, d.revision]
+    if files:
+        identity["files"] = [_file_identity(f) for f in files]
+    elif d.kind == "embedded":
+        identity["embedded"] = [d.embedded_documents, EMBEDDED_VERSION]
+    else:
+        identity["hub"] = [d.name, d.config_name, d.split, d.revision]
+    if d.kind == "sft":
+        identity["chat_template"] = src.tokenizer.chat_template
     if not specs:
         raise DataError("the data source has no documents or records to tokenize")
-    return {"format": S.STORE_FORMAT, "version": S.STORE_VERSION, "kind": kind, "source": identity,
-            "tokenizer": tokenizer_fingerprint(tokenizer), "vocab_size": vocab_size,
-            "dtype": np.dtype(S.token_dtype(vocab_size)).name,
+    return {"format": S.STORE_FORMAT, "version": S.STORE_VERSION, "kind": store_kind(d), "source": identity,
+            "tokenizer": fingerprint, "vocab_size": vocab_size, "dtype": np.dtype(S.token_dtype(vocab_size)).name,
             "shards": [dict(spec, index=i) for i, spec in enumerate(specs)]}
 
 
-def _record_count(d) -> int:
-    if d.kind == "embedded":
-        return d.embedded_documents
-    return len(sources.sft_records(d) if d.kind == "sft" else sources.text_records(d))
+def refuse_output_inside_input(out_dir: str, d, files: List[str]) -> None:
+    """OUT_DIR inside a folder of data.path: the store's own JSON files would become part of the data next time."""
+    out = os.path.abspath(out_dir)
+    folders = [os.path.abspath(os.path.expanduser(p.strip())) for p in (d.path or "").split(",") if p.strip()]
+    inside = [f for f in folders if os.path.isdir(f) and os.path.commonpath([out, f]) == f]
+    inside += [f for f in files if os.path.commonpath([out, os.path.abspath(f)]) == out]
+    if inside:
+        raise DataError(f"OUT_DIR {out_dir} is inside the data it tokenizes (data.path={d.path}): its own files would "
+                        f"be read as data; write the store to a folder outside data.path")
 
 
 # ---- one shard -----------------------------------------------------------------------------------------------
@@ -113,6 +117,11 @@ class Source:
     files: List[str]
     records: Optional[sources.Records] = None
 
+    @property
+    def text_files(self) -> bool:
+        """Plain-text files (shards are byte ranges of them), not records."""
+        return bool(self.files) and self.data.kind != "sft" and self.files[0].endswith(sources.TEXT_EXTS)
+
     def record_source(self) -> sources.Records:
         if self.records is None:
             self.records = sources.sft_records(self.data) if self.data.kind == "sft" else \
@@ -120,10 +129,12 @@ class Source:
         return self.records
 
 
-def open_source(d, tokenizer) -> Source:
+def open_source(d, tokenizer, files: Optional[List[str]] = None) -> Source:
+    """`files`: data.path resolved already (by the parent of a worker)."""
     if d.kind == "sft":
         sft.ensure_chat_template(tokenizer, d.chat_template)
-    files = [] if d.kind == "embedded" or sources.reads_hub(d) else sources.resolve_files(d.path)
+    if files is None:
+        files = [] if d.kind == "embedded" or sources.reads_hub(d) else sources.resolve_files(d.path)
     return Source(d, tokenizer, files)
 
 
@@ -131,9 +142,9 @@ def shard_items(spec: dict, src: Source) -> Iterator[Tuple[np.ndarray, Optional[
     """(token ids, mask or None, ends a document) of one shard of the plan."""
     d, cap = src.data, src.data.max_document_chars
     if "file" in spec:
-        path = src.files[spec["file"]]
-        pieces = read_documents(path, d.document_separator, cap, start=spec["start"], end=spec["end"])
-        yield from encode_pieces(src.tokenizer, _utf8_checked(pieces, path))
+        pieces = read_documents(src.files[spec["file"]], d.document_separator, cap, start=spec["start"],
+                                end=spec["end"])
+        yield from encode_pieces(src.tokenizer, pieces)
         return
     records = range(*spec["records"])
     if d.kind == "embedded":
@@ -146,14 +157,6 @@ def shard_items(spec: dict, src: Source) -> Iterator[Tuple[np.ndarray, Optional[
     else:
         texts = sources.record_texts(src.record_source(), records)
     yield from encode_pieces(src.tokenizer, (p for text in texts for p in text_pieces(text, cap)))
-
-
-def _utf8_checked(pieces, path: str):
-    try:
-        yield from pieces
-    except UnicodeDecodeError as e:
-        raise DataError(f"data.path: cannot read {path}: it is not UTF-8 text ({e.reason} at a byte near "
-                        f"{e.start})") from None
 
 
 def write_one(out_dir: str, plan: dict, spec: dict, src: Source) -> dict:
@@ -214,12 +217,17 @@ def pending_shards(job: Job, plan: dict, log: Callable[[str], None]) -> List[dic
 _WORKER: dict = {}
 
 
-def _init_worker(data_cfg, model_cfg) -> None:
-    _WORKER["source"] = open_source(data_cfg, load_tokenizer(model_cfg))
+def _init_worker(data_cfg, model_cfg, files: List[str]) -> None:
+    """Only keeps what the worker needs: an error while opening the source would make the pool start workers
+    forever, so that happens in the first task, whose error reaches the parent."""
+    _WORKER["args"] = (data_cfg, model_cfg, files)
 
 
 def _work(args) -> Tuple[int, dict]:
     out_dir, plan, spec = args
+    if "source" not in _WORKER:
+        data_cfg, model_cfg, files = _WORKER["args"]
+        _WORKER["source"] = open_source(data_cfg, load_tokenizer(model_cfg), files)
     return spec["index"], write_one(out_dir, plan, spec, _WORKER["source"])
 
 
@@ -236,13 +244,12 @@ def _context():
 def write_shards(job: Job, plan: dict, todo: List[dict], cfg, src: Source, log) -> None:
     """Tokenize `todo` with job.workers processes (in this process for one), logging each shard as it lands."""
     t0, done_tokens, total = time.time(), 0, len(todo)
-    tasks = [(job.out_dir, plan, spec) for spec in todo]
     if job.workers <= 1:
         results = ((spec["index"], write_one(job.out_dir, plan, spec, src)) for spec in todo)
         pool = None
     else:
-        pool = _context().Pool(job.workers, initializer=_init_worker, initargs=(cfg.data, cfg.model))
-        results = pool.imap_unordered(_work, tasks)
+        pool = _context().Pool(job.workers, initializer=_init_worker, initargs=(cfg.data, cfg.model, src.files))
+        results = pool.imap_unordered(_work, [(job.out_dir, plan, spec) for spec in todo])
     try:
         for n, (index, meta) in enumerate(results, 1):
             done_tokens += meta["num_tokens"]
@@ -259,10 +266,10 @@ def run(job: Job, cfg, tokenizer, vocab_size: int, log: Callable[[str], None] = 
     """The whole job; the manifest once every shard of the plan is there, else None (other ranges to come)."""
     store_kind(cfg.data)  # a source that makes one store
     # the tokenizer as training will load it (data=tokens), before SFT installs its chat template (the source's)
-    plan = plan_of(cfg.data, tokenizer, vocab_size, job.shard_bytes, job.shard_records)
+    fingerprint = tokenizer_fingerprint(tokenizer)
     src = open_source(cfg.data, tokenizer)
-    if cfg.data.kind == "sft":
-        plan["source"]["chat_template"] = tokenizer.chat_template
+    refuse_output_inside_input(job.out_dir, cfg.data, src.files)
+    plan = plan_of(src, fingerprint, vocab_size, job.shard_bytes, job.shard_records)
     agree_on_plan(job.out_dir, plan)
     n = len(plan["shards"])
     if job.shard_range is not None and not (0 <= job.shard_range[0] < job.shard_range[1] <= n):
@@ -280,7 +287,7 @@ def run(job: Job, cfg, tokenizer, vocab_size: int, log: Callable[[str], None] = 
         log(f"{len(present)} of {n} shards are written; the manifest follows when the other ranges are here "
             f"(then: --merge)")
         return None
-    manifest = S.manifest_of(plan, job.out_dir)
+    manifest = S.manifest_of(plan, job.out_dir, digests=job.merge)
     S.write_json(os.path.join(job.out_dir, S.MANIFEST), manifest)
     log(f"token store {job.out_dir}: {manifest['num_documents']} documents, {manifest['num_tokens']} tokens in "
         f"{n} shards")

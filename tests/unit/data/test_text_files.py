@@ -137,3 +137,11 @@ def test_peak_memory_does_not_grow_with_the_file(tmp_path):
     print(f"peak RSS growth: {kb_small} KiB for {tokens_small} tokens, {kb_large} KiB for {tokens_large} tokens")
     assert tokens_large > 7 * tokens_small
     assert kb_large < 160 * 1024 and kb_large < 2 * kb_small + 48 * 1024, (kb_small, kb_large)
+
+
+def test_an_empty_separator_is_a_config_problem():
+    from trainer.config.schema import validate
+
+    cfg = TesseraConfig()
+    cfg.data = DataConfig(kind="text", path="x.txt", document_separator="")
+    assert any(p.startswith("data.document_separator='' is empty") for p in validate(cfg, 1))

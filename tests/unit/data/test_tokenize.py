@@ -165,3 +165,19 @@ def test_the_command_writes_the_store_and_refuses_bad_input(tmp_path):
         proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, \
             (extra, proc.returncode, proc.stderr[-2000:])
+
+
+def test_a_worker_that_meets_bad_input_ends_the_command_with_one_message(tmp_path):
+    """A file that is not UTF-8, tokenized by 2 workers: exit 2 naming the file (the pool does not restart its
+    workers forever); OUT_DIR inside data.path is refused before anything is written."""
+    corpus = _corpus(tmp_path / "corpus", n_files=1, docs=20)
+    (corpus / "z-broken.txt").write_bytes(b"fine\n\n\xff\xfe broken\n")
+    cmd = [sys.executable, "-m", "trainer.tokenize", str(tmp_path / "out"), "--workers", "2", "data=text",
+           f"data.path={corpus}"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "z-broken.txt: it is not UTF-8 text" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    (corpus / "z-broken.txt").unlink()
+    with pytest.raises(DataError, match="inside the data it tokenizes"):
+        _tokenize(corpus / "store", _cfg(kind="text", path=str(corpus)))
+    assert not (corpus / "store").exists()
