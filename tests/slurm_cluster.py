@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
+from trainer.parallel.dims import free_port
+
 PACKAGES = ["slurm-wlm", "munge"]
 TOOLS = ["sbatch", "srun", "scontrol", "squeue", "slurmctld", "slurmd", "munged", "munge"]
 
@@ -69,12 +71,12 @@ def start_munge() -> Optional[int]:
 
 
 def _free_ports(n: int) -> List[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
+    """n distinct free ports below the ephemeral range (see trainer.parallel.dims.free_port)."""
+    ports: List[int] = []
+    while len(ports) < n:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
     return ports
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import random
 import socket
 from dataclasses import dataclass
 from typing import List
@@ -161,7 +162,40 @@ def select_device(spec: str) -> torch.device:
     return device
 
 
+# Ports handed out here lie below the kernel's ephemeral range: a port the kernel picked for bind(0) is free only
+# until the kernel hands it to the next outgoing connection, and every gloo/NCCL pair connection takes one, so a
+# launcher starting seconds later could find its port taken by another run's collectives.
+PORT_FLOOR = 15000
+
+
+def ephemeral_port_range() -> tuple:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port() -> int:
+    """A local TCP port nobody holds, chosen at random below the ephemeral range (the kernel's own pick when
+    that range is too narrow or every try is taken)."""
+    low = ephemeral_port_range()[0]
+    if low - PORT_FLOOR >= 1000:
+        pick = random.SystemRandom()
+        for _ in range(64):
+            port = pick.randrange(PORT_FLOOR, low)
+            if port_is_free(port):
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
