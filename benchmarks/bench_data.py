@@ -7,7 +7,8 @@ the first step from a ready token store.
     python benchmarks/bench_data.py --quick              # 1 MB, 1 and 2 workers (what the tests run)
 
 Rows: (1) peak resident memory of a 2-step training run (strategy=single, debug-size model) on the plain-text corpus
-at 1x and 8x its size, from data=text (tokenized inside the run) and from data=tokens (a store), with the ratio 8x/1x
+at 1x and 8x its size, from data=text (tokenized inside the run), from data=tokens (a store) and from data=text with
+data.streaming=true (read as training goes), with the ratio 8x/1x
 (bounded memory: about 1); (2) tokens/s of `python -m trainer.tokenize --workers N` against
 `datasets.load_dataset("text", sample_by="paragraph").map(tokenize, batched=True, num_proc=N)` with the same tokenizer
 on the same file; (3) seconds to the first step of a 1-step run on the ready store of the 1x corpus. The corpus is
@@ -113,10 +114,10 @@ def peer_tokens_per_s(corpus: str, workers: int, work: str, env: dict, timeout: 
 
 
 def memory_rows(corpus: str, big: str, work: str, env: dict, timeout: float) -> list:
-    """Peak RSS of training from text and from a store, at 1x and 8x the corpus."""
+    """Peak RSS of training from text, from a store and from the text streamed, at 1x and 8x the corpus."""
     rows = []
-    for source in ("text", "tokens"):
-        row = {"source": f"data={source}"}
+    for source in ("text", "tokens", "stream"):
+        row = {"source": "data=text data.streaming=true" if source == "stream" else f"data={source}"}
         for size, path in (("1x", corpus), ("8x", big)):
             data = ["data=text", f"data.path={path}", f"data.cache_dir={work}/cache-{size}"]
             if source == "tokens":
@@ -124,6 +125,8 @@ def memory_rows(corpus: str, big: str, work: str, env: dict, timeout: float) -> 
                 if not os.path.exists(store):
                     measured(tokenize_cmd(store, path, 1), env, timeout)
                 data = ["data=tokens", f"data.path={store}"]
+            if source == "stream":
+                data = ["data=text", f"data.path={path}", "data.streaming=true"]
             row[size] = measured(train_cmd(data, os.path.join(work, f"run-{source}-{size}")), env, timeout)
         row["ratio"] = row["8x"]["peak_rss_mib"] / row["1x"]["peak_rss_mib"]
         rows.append(row)

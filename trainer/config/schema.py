@@ -86,6 +86,8 @@ class DataConfig:
                                            "new.")
     follow_idle_timeout_s: float = documented(0.0, "data.follow: end the run (with a checkpoint and the export) "
                                                    "after this long without a new record; 0 = wait on.")
+    streaming: bool = documented(False, "kind=text or hub: read and tokenize the source as training goes (never "
+                                        "whole); exact resume by stream position (docs/data.md).")
     seq_len: int = documented(128, "Tokens per training sequence (documents are packed; SFT examples truncated "
                                    "and padded).")
     val_fraction: float = documented(0.05, "Share of the sequences held out for validation (a seeded "
@@ -594,8 +596,10 @@ def validate(cfg: TesseraConfig, world_size: int) -> List[str]:
     problems += mixture_problems(cfg.data)
     problems += peft_problems(cfg)
     from trainer.data.follow import follow_problems  # the schema loads without torch (launch.sh reads it)
+    from trainer.data.streaming import streaming_problems  # (as above: torch only once validating)
 
     problems += follow_problems(cfg)
+    problems += streaming_problems(cfg)
     if cfg.model.kind == "hf" and not cfg.model.name_or_path:
         problems.append("model.name_or_path must be set for model=hf (a local folder or a hub id)")
     if cfg.model.kind != "hf":

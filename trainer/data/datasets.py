@@ -21,6 +21,7 @@ from trainer.data.embedded import VERSION as EMBEDDED_VERSION, embedded_document
 from trainer.data.follow import FollowData
 from trainer.data.mixture import build_mixture
 from trainer.data.sampler import GlobalBatchSampler
+from trainer.data.streaming import StreamData
 from trainer.data.store import TokenStore, build_or_load, default_cache_dir, tokenizer_fingerprint
 from trainer.data.tokenizing import encode_pieces
 from tessera.errors import DataError
@@ -189,6 +190,9 @@ def build_data(cfg, tokenizer, vocab_size: int, log: Callable[[str], None] = pri
     d = cfg.data
     if d.follow:  # records read as they arrive (trainer/data/follow.py)
         return FollowData(d, tokenizer)
+    if d.streaming:  # read and tokenized as training goes (trainer/data/streaming.py)
+        evaluates = cfg.eval.every or cfg.eval.at_end or cfg.eval.at_start
+        return StreamData(d, tokenizer, cfg.eval.max_sequences if evaluates else 0)
     if d.kind == "mixture":
         return build_mixture(d, [_build_source(dataclasses.replace(d, kind=src.kind, path=src.path,
                                                                    text_field=src.text_field, sources=[]),

@@ -45,13 +45,13 @@ def resolve_files(path_spec: str) -> List[str]:
             raise DataError(f"data.path: {f!r} is not readable")
         if os.path.getsize(f) == 0:
             raise DataError(f"data.path: {f!r} is empty")
-    kinds = {_file_kind(f) for f in files}
+    kinds = {file_kind(f) for f in files}
     if len(kinds) > 1:
         raise DataError(f"data.path mixes file types ({', '.join(sorted(kinds))}); use one type per run")
     return files
 
 
-def _file_kind(f: str) -> str:
+def file_kind(f: str) -> str:
     if f.endswith(TEXT_EXTS):
         return "text"
     if f.endswith(JSON_EXTS):
@@ -67,26 +67,28 @@ def files_fingerprint(files: List[str]) -> str:
     return h.hexdigest()
 
 
-def _load_local(files: List[str], split_name: str = "train"):
+def load_local(files: List[str], streaming: bool = False):
     import datasets
 
-    kind = _file_kind(files[0])
+    kind = file_kind(files[0])
     datasets.disable_progress_bars()
     datasets.utils.logging.set_verbosity_error()  # failures become one DataError below
     try:
-        return datasets.load_dataset(kind, data_files=files, split="train")  # JSON(L) or parquet records
+        # JSON(L) or parquet records; streaming: an IterableDataset, one shard per file
+        return datasets.load_dataset(kind, data_files=files, split="train", streaming=streaming)
     except Exception as e:  # noqa: BLE001 - datasets raises many types; the user needs one line
         raise DataError(f"data.path: cannot read {', '.join(files[:3])}{' ...' if len(files) > 3 else ''}: "
                         f"{one_line(e.__cause__ or e)}") from None
 
 
-def load_hub(name: str, config_name, split: str, revision, local: str = "data=text data.path=<a local copy>"):
-    """A hub dataset by name; a failure (no hub access, an unknown name or split) names it and the local
-    alternative `local`."""
+def load_hub(name: str, config_name, split: str, revision, local: str = "data=text data.path=<a local copy>",
+             streaming: bool = False):
+    """A hub dataset by name (streaming: an IterableDataset read as it is iterated); a failure (no hub access, an
+    unknown name or split) names it and the local alternative `local`."""
     import datasets
 
     try:
-        return datasets.load_dataset(name, config_name, split=split, revision=revision)
+        return datasets.load_dataset(name, config_name, split=split, revision=revision, streaming=streaming)
     except Exception as e:  # noqa: BLE001
         raise DataError(f"data.name={name!r}: cannot load the hub dataset (split {split!r}): "
                         f"{one_line(e).rstrip('.')}; without hub access, train on a local copy with {local}") from None
@@ -114,7 +116,7 @@ def iter_texts(data_cfg, embedded_fn=None) -> Iterator[Piece]:
         return
     if data_cfg.kind != "hub":
         files = resolve_files(data_cfg.path)
-        if _file_kind(files[0]) == "text":
+        if file_kind(files[0]) == "text":
             yield from _text_file_documents(files, data_cfg)
             return
     for text in _record_texts(data_cfg):
@@ -157,9 +159,9 @@ def _dataset(data_cfg, local: str):
         return load_hub(data_cfg.name, data_cfg.config_name, data_cfg.split, data_cfg.revision, local=local), \
             f"data.name={data_cfg.name!r}"
     files = resolve_files(data_cfg.path)
-    if data_cfg.kind == "sft" and _file_kind(files[0]) == "text":
+    if data_cfg.kind == "sft" and file_kind(files[0]) == "text":
         raise DataError(f"data.path={data_cfg.path!r}: SFT data must be JSON, JSONL or parquet records")
-    return _load_local(files), f"data.path={data_cfg.path!r}"
+    return load_local(files), f"data.path={data_cfg.path!r}"
 
 
 def _limited(ds, data_cfg) -> int:
@@ -253,6 +255,6 @@ def describe_source(data_cfg) -> str:
     source = {"files": files_fingerprint(files), "field": data_cfg.text_field, "max_records": data_cfg.max_records}
     if data_cfg.max_document_chars != 100_000:  # (the default adds nothing: existing cache entries stay valid)
         source["max_document_chars"] = data_cfg.max_document_chars
-    if _file_kind(files[0]) == "text":  # documents cut at the separator (one per file before)
+    if file_kind(files[0]) == "text":  # documents cut at the separator (one per file before)
         source["documents"] = "separator" if data_cfg.document_separator is None else data_cfg.document_separator
     return json.dumps(source)

@@ -253,7 +253,7 @@ def _metadata(exc, tmp_path, monkeypatch):
 
 def _local_data(exc, tmp_path, monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", _raiser(exc))
-    sources._load_local([str(tmp_path / "corpus.txt")])
+    sources.load_local([str(tmp_path / "corpus.txt")])
 
 
 def _hub_data(exc, tmp_path, monkeypatch):
