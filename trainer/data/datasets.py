@@ -9,6 +9,7 @@ examples) per sequence, each with position ids from 0 and attention kept inside 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from dataclasses import dataclass
 from typing import Callable
@@ -16,7 +17,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from trainer.data import sft, sources, token_stores
+from trainer.data import sft, sources, token_stores, tokenizing
 from trainer.data.embedded import VERSION as EMBEDDED_VERSION, embedded_documents
 from trainer.data.follow import FollowData
 from trainer.data.mixture import build_mixture
@@ -24,6 +25,7 @@ from trainer.data.sampler import GlobalBatchSampler
 from trainer.data.streaming import StreamData
 from trainer.data.store import TokenStore, build_or_load, default_cache_dir, tokenizer_fingerprint
 from trainer.data.tokenizing import encode_pieces
+from trainer.parallel.dims import env_spans_nodes
 from tessera.errors import DataError
 
 IGNORE = -100
@@ -210,10 +212,15 @@ def _build_source(d, tokenizer, vocab_size: int, log: Callable[[str], None], whe
         sft.ensure_chat_template(tokenizer, d.chat_template)
     key = {"source": sources.describe_source(d), "tokenizer": tokenizer_fingerprint(tokenizer),
            "kind": d.kind, "embedded": EMBEDDED_VERSION if d.kind == "embedded" else None}
+    note = (f"tokenization cache {cache_dir}: this run spans several nodes; nodes that share this folder tokenize "
+            f"once, together, a node-local folder gets its own copy on each node (data.cache_dir=<a shared folder> "
+            f"tokenizes once)") if env_spans_nodes() else ""
     if d.kind == "sft":
-        store = build_or_load(cache_dir, key, "sft", vocab_size, lambda: _sft_items(d, tokenizer), log)
+        store = build_or_load(cache_dir, key, "sft", vocab_size, lambda: _sft_items(d, tokenizer), log,
+                              parts=lambda: _cache_parts(d, tokenizer), build_note=note)
     else:
-        store = build_or_load(cache_dir, key, "text", vocab_size, lambda: _text_items(d, tokenizer), log)
+        store = build_or_load(cache_dir, key, "text", vocab_size, lambda: _text_items(d, tokenizer), log,
+                              parts=lambda: _cache_parts(d, tokenizer), build_note=note)
     seqs = _sequences(store, d, _pad_id(tokenizer), store.meta["kind"])
     prefix = f"{where}: " if where else ""
     if getattr(seqs, "dropped", 0):
@@ -304,6 +311,19 @@ def content_digest(store: TokenStore, edge_bytes: int = 4 << 20) -> str:
         h.update(raw[:edge_bytes].tobytes())
         h.update(raw[-edge_bytes:].tobytes())
     return h.hexdigest()[:16]
+
+
+CACHE_PART_BYTES, CACHE_PART_RECORDS = 16 << 20, 10_000  # a part of a cache entry that one process tokenizes
+
+
+def _cache_parts(d, tokenizer):
+    """The cache entry's items in parts (the token store's shards: trainer/data/tokenizing.py), tokenized by the
+    ranks building it together; None where the items cannot be cut (plain-text files with data.max_records)."""
+    src = tokenizing.open_source(d, tokenizer)
+    if src.text_files and d.max_records is not None:
+        return None
+    return [functools.partial(tokenizing.shard_items, spec, src)
+            for spec in tokenizing.shard_specs(src, CACHE_PART_BYTES, CACHE_PART_RECORDS)]
 
 
 def _text_items(d, tokenizer):

@@ -18,7 +18,7 @@ import hashlib
 import json
 import os
 import shutil
-from typing import Iterable, Iterator, Optional, Tuple
+from typing import Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -27,6 +27,7 @@ from tessera.errors import DataError, one_line
 STORE_FORMAT = "tessera-token-store"
 STORE_VERSION = 1
 PLAN, MANIFEST, SHARDS = "plan.json", "manifest.json", "shards"
+COPY_BYTES = 16 << 20
 
 
 def token_dtype(vocab_size: int):
@@ -108,6 +109,33 @@ def write_shard(folder: str, kind: str, vocab_size: int,
     files = dict(sorted(files.items()))
     meta = {"kind": kind, "dtype": np.dtype(dtype).name, "num_tokens": n_tokens, "num_documents": len(offsets) - 1,
             "files": files}
+    write_json(os.path.join(folder, "shard.json"), meta)
+    return meta
+
+
+def concatenate_shards(parts: List[str], folder: str) -> dict:
+    """Write into `folder` (created) the one shard holding the shards `parts` one after another: the same files,
+    byte for byte, as one write_shard over all their documents. Copied in blocks; returns its shard.json."""
+    metas = [read_json(os.path.join(p, "shard.json")) for p in parts]
+    kind, dtype = metas[0]["kind"], metas[0]["dtype"]
+    os.makedirs(folder)
+    files = {}
+    for name in ("tokens.bin", "mask.bin") if kind == "sft" else ("tokens.bin",):
+        with _HashedFile(os.path.join(folder, name)) as out:
+            for part in parts:
+                with open(os.path.join(part, name), "rb") as fh:
+                    for block in iter(lambda: fh.read(COPY_BYTES), b""):
+                        out.write(block)
+        files[name] = {"bytes": out.bytes, "sha256": out.sha256.hexdigest()}
+    offsets, base = [np.zeros(1, dtype=np.int64)], 0
+    for part, meta in zip(parts, metas):
+        offsets.append(np.load(os.path.join(part, "offsets.npy"))[1:] + base)
+        base += meta["num_tokens"]
+    np.save(os.path.join(folder, "offsets.npy"), np.concatenate(offsets))
+    files["offsets.npy"] = {"bytes": os.path.getsize(os.path.join(folder, "offsets.npy")),
+                            "sha256": file_digest(os.path.join(folder, "offsets.npy"))}
+    meta = {"kind": kind, "dtype": dtype, "num_tokens": base, "num_documents": sum(m["num_documents"] for m in metas),
+            "files": dict(sorted(files.items()))}
     write_json(os.path.join(folder, "shard.json"), meta)
     return meta
 

@@ -64,11 +64,10 @@ def _file_identity(path: str) -> dict:
     return {"name": os.path.basename(path), "bytes": os.path.getsize(path), "head_sha256": head}
 
 
-def plan_of(src: Source, fingerprint: str, vocab_size: int, shard_bytes: int, shard_records: int) -> dict:
-    """The store's plan: its identity (source, tokenizer `fingerprint`, settings) and each shard's input range."""
+def shard_specs(src: Source, shard_bytes: int, shard_records: int) -> List[dict]:
+    """Each shard's input range: plain-text files in byte ranges of whole documents of about shard_bytes, records
+    in ranges of shard_records."""
     d, files = src.data, src.files
-    identity = {"kind": d.kind, "text_field": d.text_field, "max_records": d.max_records,
-                "document_separator": d.document_separator, "max_document_chars": d.max_document_chars}
     if src.text_files:
         if d.max_records is not None:
             raise DataError("data.max_records: a token store holds whole text files; leave it unset (null) here "
@@ -77,9 +76,17 @@ def plan_of(src: Source, fingerprint: str, vocab_size: int, shard_bytes: int, sh
         for i, f in enumerate(files):
             cuts = document_starts(f, d.document_separator, shard_bytes)
             specs += [{"file": i, "start": a, "end": b} for a, b in zip(cuts, cuts[1:])]
-    else:
-        n = d.embedded_documents if d.kind == "embedded" else len(src.record_source())
-        specs = [{"records": [a, min(a + shard_records, n)]} for a in range(0, n, shard_records)]
+        return specs
+    n = d.embedded_documents if d.kind == "embedded" else len(src.record_source())
+    return [{"records": [a, min(a + shard_records, n)]} for a in range(0, n, shard_records)]
+
+
+def plan_of(src: Source, fingerprint: str, vocab_size: int, shard_bytes: int, shard_records: int) -> dict:
+    """The store's plan: its identity (source, tokenizer `fingerprint`, settings) and each shard's input range."""
+    d, files = src.data, src.files
+    identity = {"kind": d.kind, "text_field": d.text_field, "max_records": d.max_records,
+                "document_separator": d.document_separator, "max_document_chars": d.max_document_chars}
+    specs = shard_specs(src, shard_bytes, shard_records)
     if files:
         identity["files"] = [_file_identity(f) for f in files]
     elif d.kind == "embedded":

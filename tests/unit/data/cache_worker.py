@@ -36,3 +36,32 @@ def build_concurrently(cache_dir: str, barrier, results) -> None:
     except BaseException as e:  # the test reports it instead of waiting for a result that never comes
         results.put((os.getpid(), None, None, [f"error: {type(e).__name__}: {e}"]))
         raise
+
+
+PARTS, DOCS_PER_PART = 6, 8
+
+
+def _part(i: int, marks: str):
+    def produce():
+        open(os.path.join(marks, f"part{i}-pid{os.getpid()}"), "w").close()
+        for j in range(i * DOCS_PER_PART, (i + 1) * DOCS_PER_PART):
+            time.sleep(0.01)  # slow enough that every process takes a share
+            yield np.arange(j, j + DOC_LEN) % 250, None
+    return produce
+
+
+def expected_part_tokens() -> list:
+    return np.concatenate([np.arange(j, j + DOC_LEN) % 250 for j in range(PARTS * DOCS_PER_PART)]).tolist()
+
+
+def build_in_parts_concurrently(cache_dir: str, marks: str, barrier, results) -> None:
+    """As build_concurrently, with the entry cut into PARTS parts that the processes share."""
+    logs = []
+    try:
+        os.environ["LOCAL_RANK"] = str(barrier.wait(timeout=60))
+        store = build_or_load(cache_dir, {"test": "parts"}, "text", VOCAB, lambda: iter(()), log=logs.append,
+                              parts=lambda: [_part(i, marks) for i in range(PARTS)])
+        results.put((os.getpid(), store.path, np.asarray(store.tokens).tolist(), logs))
+    except BaseException as e:  # noqa: BLE001
+        results.put((os.getpid(), None, None, [f"error: {type(e).__name__}: {e}"]))
+        raise
