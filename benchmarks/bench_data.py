@@ -5,6 +5,7 @@ the first step from a ready token store.
     python benchmarks/bench_data.py                      # a 64 MB generated corpus (x8 for the memory rows), 1/2/4 workers
     python benchmarks/bench_data.py --mb 1024 --workers 1,2,4,8 --out /tmp/data.json
     python benchmarks/bench_data.py --quick              # 1 MB, 1 and 2 workers (what the tests run)
+    python benchmarks/bench_data.py --mb 64 --workers 1,2,4 --first-step-mb 1024   # the first step on a 1 GB corpus
 
 Rows: (1) peak resident memory of a 2-step training run (strategy=single, debug-size model) on the plain-text corpus
 at 1x and 8x its size, from data=text (tokenized inside the run), from data=tokens (a store) and from data=text with
@@ -146,11 +147,30 @@ def tokenize_rows(corpus: str, workers: list, work: str, env: dict, timeout: flo
     return rows
 
 
+def first_step(megabytes, store: str, workers: int, work: str, env: dict, timeout: float) -> dict:
+    """Seconds to the first step of a 1-step run from a ready store: the 1x corpus's (`store`), or one of a corpus
+    of `megabytes` written and tokenized here."""
+    corpus_bytes = None
+    if megabytes:
+        corpus = os.path.join(work, "first-corpus.txt")
+        corpus_bytes = write_corpus(corpus, megabytes, seed=1)
+        store = os.path.join(work, "first-store")
+        measured(tokenize_cmd(store, corpus, workers), env, timeout)
+        os.remove(corpus)
+    manifest = json.load(open(os.path.join(store, "manifest.json")))
+    row = measured(train_cmd(["data=tokens", f"data.path={store}"], f"{work}/first", steps=1), env, timeout)
+    row.update(tokens=manifest["num_tokens"], shards=len(manifest["shards"]),
+               corpus_bytes=corpus_bytes or sum(f["bytes"] for f in manifest["source"]["files"]))
+    return row
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="1 MB, workers 1 and 2 (what the tests run)")
     ap.add_argument("--mb", type=float, help="corpus size in MB (default 64; --quick 1)")
     ap.add_argument("--workers", help="tokenizing processes to compare, comma-separated (default 1,2,4; --quick 1,2)")
+    ap.add_argument("--first-step-mb", type=float,
+                    help="corpus size in MB for the first-step row (default: --mb), tokenized with the most workers")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per run")
     ap.add_argument("--out", help="write every figure as JSON here")
     a = ap.parse_args(argv)
@@ -164,8 +184,7 @@ def main(argv=None) -> int:
         replicate(corpus, big, 8)
         memory = memory_rows(corpus, big, work, env, a.timeout)
         tokenize = tokenize_rows(corpus, workers, work, env, a.timeout)
-        first = measured(train_cmd(["data=tokens", f"data.path={work}/tok-{workers[0]}"], f"{work}/first", steps=1),
-                         env, a.timeout)
+        first = first_step(a.first_step_mb, f"{work}/tok-{max(workers)}", max(workers), work, env, a.timeout)
     except C.RunFailed as e:
         C.fail("bench_data", str(e))
         return 1
@@ -179,9 +198,10 @@ def main(argv=None) -> int:
     print(C.markdown_table(["workers", "trainer.tokenize tokens/s", "datasets.map tokens/s", "ratio"],
                            [[r["workers"], f"{r['tessera_tokens_per_s']:,.0f}", f"{r['datasets_map_tokens_per_s']:,.0f}",
                              f"{r['ratio']:.2f}"] for r in tokenize]))
-    print(f"\nfirst step from the ready store of the 1x corpus: {first['seconds']:.1f} s (a 1-step run, start-up "
-          f"included)")
-    C.write_json(a.out, {"corpus_bytes": size, "memory": memory, "tokenize": tokenize, "first_step_s": first["seconds"]})
+    print(f"\nfirst step from a ready store of a {first['corpus_bytes'] / (1 << 20):.0f} MB corpus "
+          f"({first['tokens']:,} tokens, {first['shards']} shards): {first['seconds']:.1f} s (a 1-step run, start-up "
+          f"included; peak RSS {first['peak_rss_mib']:.0f} MiB)")
+    C.write_json(a.out, {"corpus_bytes": size, "memory": memory, "tokenize": tokenize, "first_step": first})
     return 0
 
 

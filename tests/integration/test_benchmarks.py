@@ -124,16 +124,19 @@ def test_packing_benchmark_reports_the_speedup_over_padding(tmp_path, generated_
 
 
 def test_data_benchmark_memory_stays_flat_and_tokenizer_throughput_is_measured(tmp_path):
-    """bench_data.py --quick: training's peak memory at 8x the corpus within 15% of 1x, from text and from a store
-    (the 8x corpus holds 8x the tokens); tokenization figures for 1 and 2 workers and datasets.map beside them."""
+    """bench_data.py --quick: training's peak memory at 8x the corpus within 15% of 1x, from text, from a store and
+    streamed (the 8x corpus holds 8x the tokens); tokenization figures for 1 and 2 workers and datasets.map beside
+    them; the first step from the store that 2 workers wrote."""
     out = tmp_path / "d.json"
     proc = _run([BENCH / "bench_data.py", "--quick", "--out", out], timeout=900)
     result = json.loads(out.read_text())
-    assert [r["source"] for r in result["memory"]] == ["data=text", "data=tokens"]
+    assert [r["source"] for r in result["memory"]] == ["data=text", "data=tokens", "data=text data.streaming=true"]
     for row in result["memory"]:
         assert row["ratio"] < 1.15, row
     assert [r["workers"] for r in result["tokenize"]] == [1, 2]
     assert all(_positive(r["tessera_tokens_per_s"]) and _positive(r["datasets_map_tokens_per_s"])
                for r in result["tokenize"])
     assert result["tokenize"][0]["tokens"] == result["tokenize"][1]["tokens"] > 1_000_000
-    assert _positive(result["first_step_s"]) and "| data=tokens |" in proc.stdout
+    first = result["first_step"]
+    assert _positive(first["seconds"]) and first["tokens"] == result["tokenize"][1]["tokens"]
+    assert first["corpus_bytes"] == result["corpus_bytes"] and "| data=tokens |" in proc.stdout
