@@ -71,6 +71,13 @@ def held_out(split_seed: int, shard: int, record: int, val_fraction: float) -> b
 
 
 # ---- the source ------------------------------------------------------------------------------------------------
+def _quiet_datasets() -> None:
+    """`datasets` logs a file it cannot parse as it reads; the read error becomes one DataError instead."""
+    import datasets  # (loaded by sources.load_local / load_hub already)
+
+    datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)
+
+
 class StreamSource:
     """A streamed source's shards, and the texts of one shard's records (each a list of pieces of at most
     data.max_document_chars, tokenized one by one and joined)."""
@@ -82,6 +89,7 @@ class StreamSource:
             self.where = f"data.name={d.name!r}"
             self.ds = sources.load_hub(d.name, d.config_name, d.split, d.revision, streaming=True)
             self.num_shards = self.ds.num_shards
+            _quiet_datasets()
             return
         self.where = f"data.path={d.path!r}"
         files = sources.resolve_files(d.path)
@@ -93,6 +101,7 @@ class StreamSource:
         else:
             self.ds = sources.load_local(files, streaming=True)
             self.num_shards = self.ds.num_shards
+            _quiet_datasets()
 
     def records(self, shard: int, first: int = 0) -> Iterator[Tuple[int, List[str]]]:
         """(record index, its pieces) of `shard` from record `first` on; empty records are left out."""

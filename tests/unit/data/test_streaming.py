@@ -225,3 +225,13 @@ def test_streaming_config_problems(tmp_path):
     c.eval.max_sequences = 0
     assert "no end on a stream" in streaming.streaming_problems(c)[0]
     assert sources.file_kind("a.parquet") == "parquet"
+
+
+def test_a_file_that_does_not_parse_is_one_message_without_the_readers_own_log(tmp_path, tokenizer, capfd):
+    path = tmp_path / "broken.jsonl"
+    path.write_text("".join(json.dumps({"text": _text(0, i)}) + "\n" for i in range(5)) + '{"text": "unterminated\n')
+    stream = TokenStream(StreamSource(_data(path)), tokenizer, seed=0, split_seed=0, val_fraction=0.0)
+    with pytest.raises(DataError, match=r"data.path=.*: cannot read shard 0: JSON parse error"):
+        stream.take(40, SEQ)
+    stream.close()
+    assert "Failed to load JSON" not in capfd.readouterr().err
