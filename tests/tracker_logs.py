@@ -14,6 +14,7 @@ import glob
 import json
 import os
 import struct
+import time
 from typing import Dict, Iterator, List, Tuple
 
 BLOCK = 32768
@@ -71,8 +72,19 @@ def wandb_history(wandb_dir: str, run_id: str) -> List[Tuple[int, Dict[str, floa
     return rows
 
 
-def wandb_run_ids(wandb_dir: str) -> List[str]:
-    """The run ids of every offline run under `wandb_dir` (one entry per launch)."""
+def wandb_run_ids(wandb_dir: str, launches: int = 0, timeout: float = 30.0) -> List[str]:
+    """The run ids of every offline run under `wandb_dir` (one entry per launch). With `launches`, read again until
+    that many launches' logs hold their run record (W&B's service process writes them; on a loaded machine it
+    can finish after the run's finish() returned), for at most `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        ids = _wandb_run_ids(wandb_dir)
+        if len(ids) >= launches or time.monotonic() > deadline:
+            return ids
+        time.sleep(0.2)
+
+
+def _wandb_run_ids(wandb_dir: str) -> List[str]:
     out = []
     for path in sorted(glob.glob(os.path.join(wandb_dir, "wandb", "offline-run-*", "run-*.wandb"))):
         for record in wandb_records(path):

@@ -61,7 +61,7 @@ def test_both_trackers_hold_the_run_once_across_a_resume(tmp_path):
     assert len(MlflowClient(uri).search_runs([run.info.experiment_id])) == 1
 
     wandb_id = ids["wandb"]["run_id"]
-    assert wandb_run_ids(str(wandb_dir)) == [wandb_id, wandb_id]  # one run, continued by the second launch
+    assert wandb_run_ids(str(wandb_dir), launches=2) == [wandb_id, wandb_id]  # one run, continued by the second launch
     rows = wandb_history(str(wandb_dir), wandb_id)
     assert [step for step, _ in rows] == list(range(0, 9))
     by_step = dict(rows)

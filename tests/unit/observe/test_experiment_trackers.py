@@ -92,7 +92,7 @@ def test_wandb_offline_holds_every_record_once_across_a_resume(tmp_path, capsys)
     said = capsys.readouterr().err  # the logger's console
     assert f"tracking with W&B run {run_id} (continued, offline in {tmp_path}/wandb/" in said
     assert "it holds steps up to 6, which are not sent again" in said
-    assert wandb_run_ids(str(tmp_path)) == [run_id, run_id]
+    assert wandb_run_ids(str(tmp_path), launches=2) == [run_id, run_id]
     rows = wandb_history(str(tmp_path), run_id)
     assert [step for step, _ in rows] == list(range(9))
     for step, values in rows:
