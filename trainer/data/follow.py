@@ -29,12 +29,12 @@ from contextlib import nullcontext
 from typing import Dict, List, Optional
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
 from tessera.errors import DataError
 from trainer.data.sampler import rank_slice
 from trainer.data.store import tokenizer_fingerprint
+from trainer.data.streaming import StreamRows
 from trainer.observe.metrics import truncate_jsonl
 
 
@@ -202,29 +202,11 @@ class FollowStream:
                     offset += len(line)
 
 
-class FollowSequences:
-    """The current step's rows (what `global_batch` returned), read by position like any training split."""
-
-    def __init__(self, seq_len: int):
-        self.seq_len = seq_len
-        self.rows = np.empty((0, seq_len + 1), dtype=np.int64)
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def get(self, positions) -> dict:
-        rows = self.rows[np.asarray(positions, dtype=np.int64)]
-        return {"input_ids": torch.from_numpy(rows[:, :-1].copy()), "labels": torch.from_numpy(rows[:, 1:].copy())}
-
-    def count_targets(self, positions) -> int:
-        return len(positions) * self.seq_len
-
-
 class FollowSampler:
     """Global batch k: `global_batch_size` rows, the replayed ones first, read from the stream when step k asks
     for them (waiting for new records if needed). Same interface as data/sampler.GlobalBatchSampler."""
 
-    def __init__(self, stream: FollowStream, train: FollowSequences, d, global_batch_size: int, seed: int):
+    def __init__(self, stream: FollowStream, train: StreamRows, d, global_batch_size: int, seed: int):
         self.stream, self.train, self.d = stream, train, d
         self.gbs, self.seed, self.seq_len = global_batch_size, seed, d.seq_len
         self.n_replay = int(round(d.follow_replay * global_batch_size))
@@ -320,8 +302,8 @@ class FollowData:
 
     def __init__(self, d, tokenizer):
         self.d, self.tokenizer = d, tokenizer
-        self.train = FollowSequences(d.seq_len)
-        self.val = FollowSequences(d.seq_len)  # empty: every record trains
+        self.train = StreamRows(d.seq_len)  # the current step's rows
+        self.val = StreamRows(d.seq_len)  # empty: every record trains
         key = json.dumps({"follow": os.path.abspath(d.path), "field": d.text_field, "seq_len": d.seq_len,
                           "tokenizer": tokenizer_fingerprint(tokenizer)}, sort_keys=True)
         self.fingerprint = "follow-" + hashlib.sha256(key.encode()).hexdigest()[:16]
