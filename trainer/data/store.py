@@ -218,9 +218,10 @@ def _build_part(folder: str, i: int, produce: Callable, kind: str, vocab_size: i
 def _merge_parts(tmp: str, final: str, n: int) -> dict:
     parts = [os.path.join(final + ".parts", shard_name(i)) for i in range(n)]
     for part in parts:
-        if shard_damage(part) is not None:
-            raise DataError(f"the tokenization cache part {part} is damaged ({shard_damage(part)}); delete "
-                            f"{final}.parts and start again", same_on_every_rank=False)
+        damage = shard_damage(part)
+        if damage is not None:
+            raise DataError(f"the tokenization cache part {part} is damaged ({damage}); delete {final}.parts and "
+                            f"start again", same_on_every_rank=False)
     return _entry_meta(concatenate_shards(parts, tmp))
 
 

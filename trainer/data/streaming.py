@@ -2,7 +2,8 @@
 size and number, data=hub datasets through `datasets` streaming).
 
 The stream: the source's shards (a hub dataset's or a JSONL/parquet folder's files, through `datasets`
-streaming; plain-text files cut into byte ranges of whole documents of about SHARD_BYTES) in an order drawn from
+streaming; plain-text files cut every SHARD_BYTES, each cut moved to the next document start when the shard is
+read, so start-up never reads the files) in an order drawn from
 (train.seed, epoch), each shard's records in order, each record's text tokenized and followed by EOS, packed as
 `data=text` packs: windows of data.seq_len + 1 tokens, each starting at the last token of the one before. Global
 batch k is the stream's next train.global_batch_size windows; each data-parallel rank reads the whole stream and
@@ -22,6 +23,7 @@ from __future__ import annotations
 import atexit
 import hashlib
 import json
+import os
 import queue
 import threading
 import weakref
@@ -36,7 +38,7 @@ from tessera.errors import DataError, one_line
 from trainer.data import sources
 from trainer.data.sampler import rank_slice
 from trainer.data.store import tokenizer_fingerprint
-from trainer.data.text_files import document_starts, read_documents, text_pieces
+from trainer.data.text_files import document_start_at, read_documents, text_pieces
 
 SHARD_BYTES = 64 << 20  # plain-text files: the size of one shard (a byte range of whole documents)
 BATCH_RECORDS, BATCH_CHARS = 256, 1_000_000  # records per tokenizer call, at most
@@ -93,10 +95,10 @@ class StreamSource:
             return
         self.where = f"data.path={d.path!r}"
         files = sources.resolve_files(d.path)
-        if sources.file_kind(files[0]) == "text":
+        if sources.file_kind(files[0]) == "text":  # byte ranges, cut at document starts when read (no scan now)
             for f in files:
-                cuts = document_starts(f, d.document_separator, SHARD_BYTES)
-                self.ranges += [(f, a, b) for a, b in zip(cuts, cuts[1:])]
+                size = os.path.getsize(f)
+                self.ranges += [(f, a, min(a + SHARD_BYTES, size)) for a in range(0, size, SHARD_BYTES)]
             self.num_shards = len(self.ranges)
         else:
             self.ds = sources.load_local(files, streaming=True)
@@ -111,7 +113,9 @@ class StreamSource:
             yield from self._rows(shard, first)
 
     def _documents(self, shard: int, first: int):
-        path, start, end = self.ranges[shard]
+        path, a, b = self.ranges[shard]
+        sep = self.d.document_separator
+        start, end = document_start_at(path, sep, a), document_start_at(path, sep, b)
         index, pieces = 0, []
         for piece in read_documents(path, self.d.document_separator, self.d.max_document_chars, start=start, end=end):
             if index >= first:

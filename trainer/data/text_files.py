@@ -140,6 +140,34 @@ def document_starts(path: str, separator: Optional[str], every: int, read_bytes:
     return cuts + [size] if size > cuts[-1] else cuts
 
 
+def document_start_at(path: str, separator: Optional[str], offset: int, read_bytes: int = READ_BYTES) -> int:
+    """The first document start at or after byte `offset` (the file's size if none), found by reading from a
+    little before `offset` to the next separator only: consecutive byte ranges cut at document_start_at(a_i) hold
+    whole documents, each in one range, without reading the file from its start (a separator run longer than the
+    look-back may move a cut to the next document start; the ranges still cover every document once)."""
+    if offset <= 0:
+        return 0
+    split = _byte_splitter(separator)
+    base = max(0, offset - max(4096, 2 * len((separator or "").encode("utf-8"))))
+    pending = b""
+    with open(path, "rb") as fh:
+        fh.seek(base)
+        while True:
+            block = fh.read(read_bytes)
+            pending += block
+            at = 0
+            for m in split.finditer(pending):
+                if block and m.end() >= len(pending):
+                    break  # may go on in the next block
+                at = m.end()
+                if base + at >= offset:
+                    return base + at
+            if not block:
+                return base + len(pending)
+            keep = max(at, len(pending) - 4 * read_bytes)  # a separator never spans more than what is kept
+            base, pending = base + keep, pending[keep:]
+
+
 def _byte_splitter(separator: Optional[str]):
     if separator is None:
         return re.compile(BLANK_LINE.pattern.encode())

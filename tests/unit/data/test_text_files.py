@@ -15,7 +15,7 @@ import pytest
 from models.tokenizer import embedded_tokenizer
 from trainer.config.schema import DataConfig, TesseraConfig
 from trainer.data.datasets import build_data
-from trainer.data.text_files import read_documents
+from trainer.data.text_files import document_start_at, document_starts, read_documents
 from tessera.errors import DataError
 
 VOCAB, EOS = 264, 256
@@ -145,3 +145,19 @@ def test_an_empty_separator_is_a_config_problem():
     cfg = TesseraConfig()
     cfg.data = DataConfig(kind="text", path="x.txt", document_separator="")
     assert any(p.startswith("data.document_separator='' is empty") for p in validate(cfg, 1))
+
+
+@pytest.mark.parametrize("separator", [None, "<|doc|>"])
+def test_document_start_at_finds_the_next_start_without_reading_from_the_front(tmp_path, separator):
+    """document_start_at(x) = the first of all document starts (document_starts cutting at every one) at or after
+    x, for every x; whitespace runs of every shape between documents, a separator at the very end."""
+    rng = random.Random(3)
+    joins = ["\n\n", "\n \n", "\n\t\n\n  ", "\n\n\n\n", " \n\r\n\n "] if separator is None else [separator]
+    text = "".join(f"doc {i} " + "w" * rng.randint(0, 40) + rng.choice(joins) for i in range(60))
+    path = tmp_path / "c.txt"
+    path.write_text(text)
+    size = path.stat().st_size
+    starts = document_starts(str(path), separator, every=1, read_bytes=64)
+    for x in range(0, size + 1):
+        want = next((s for s in starts if s >= x), size)
+        assert document_start_at(str(path), separator, x, read_bytes=64) == want, x
