@@ -4,8 +4,11 @@ On a CPU machine DeepSpeed's communication backend JIT-builds its shared-memory 
 first time a ZeRO run starts: minutes of compilation on a small machine. launch.sh builds it when it sets up the
 environment (`python -m trainer.ds_ops build`), and a run that still has to build it says so, with progress.
 
-torch builds an extension under a file lock (`FileBaton`: a file named `lock` in the extension's build folder,
-$TORCH_EXTENSIONS_DIR/<op> or ~/.cache/torch_extensions/<py_cu tag>/<op>). A build that was interrupted leaves
+Each virtual environment builds its ops in its own folder, <venv>/torch_extensions/<py_cu tag>/<op>
+(TORCH_EXTENSIONS_DIR, when set, wins; outside a venv torch's ~/.cache/torch_extensions/<py_cu tag>/<op>): ops built
+from two installs of DeepSpeed in one shared folder made each ZeRO run of the other rebuild them.
+
+torch builds an extension under a file lock (`FileBaton`: a file named `lock` in the extension's build folder). A build that was interrupted leaves
 that file behind and every later run waits on it forever. Before DeepSpeed can block on it, a lock that no live
 process is building under (no process works in or names the folder, and neither the lock nor anything in the
 folder changed for TESSERA_BUILD_LOCK_GRACE_S seconds, default 60) is reported as a stale lock: exit 2, naming
@@ -50,13 +53,9 @@ def needed_ops(offload_nvme: bool = False, cuda: Optional[bool] = None) -> List[
     return names
 
 
-def extensions_root() -> str:
-    """torch's JIT extension root (torch.utils.cpp_extension._get_build_directory without creating it)."""
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if root:
-        return root
+def _accelerator_tag() -> str:
+    """torch's folder tag for JIT extensions: py311_cpu, py311_cu128, ..."""
     import torch
-    from torch.utils.cpp_extension import get_default_build_root
 
     if torch.version.hip is not None:
         acc = f"rocm{torch.version.hip.replace('.', '')}"
@@ -64,8 +63,35 @@ def extensions_root() -> str:
         acc = f"cu{torch.version.cuda.replace('.', '')}"
     else:
         acc = "cpu"
-    tag = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}_{acc}"
-    return os.path.join(get_default_build_root(), tag)
+    return f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}_{acc}"
+
+
+def environment_root() -> Optional[str]:
+    """The build root of this virtual environment's ops, <venv>/torch_extensions/<tag>; None outside a venv or in
+    one this user can't write."""
+    if sys.prefix == sys.base_prefix or not os.access(sys.prefix, os.W_OK):
+        return None
+    return os.path.join(sys.prefix, "torch_extensions", _accelerator_tag())
+
+
+def use_environment_root() -> None:
+    """Build and load DeepSpeed's ops in this venv's own folder unless TORCH_EXTENSIONS_DIR says otherwise (the
+    processes this one starts inherit it). torch's default folder is shared by every environment of the user, and
+    an op built from another install's DeepSpeed (another clone or venv) does not match this one's: each ZeRO run
+    rebuilt it for minutes, alternately for each environment."""
+    root = None if os.environ.get("TORCH_EXTENSIONS_DIR") else environment_root()
+    if root:
+        os.environ["TORCH_EXTENSIONS_DIR"] = root
+
+
+def extensions_root() -> str:
+    """torch's JIT extension root (torch.utils.cpp_extension._get_build_directory without creating it)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root:
+        return root
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return os.path.join(get_default_build_root(), _accelerator_tag())
 
 
 def build_dir(name: str) -> str:
@@ -218,6 +244,7 @@ def load(names, say: Callable[[str], None], announce_after: float = 5.0) -> None
 def ensure_ready(cfg=None) -> None:
     """For a ZeRO rank, before DeepSpeed loads its ops: fail fast on a stale build lock, wait (with progress) for
     a build another process runs, build what is missing with progress. Local rank 0 speaks for the node."""
+    use_environment_root()
     offload_nvme = cfg is not None and "nvme" in (getattr(cfg.strategy, "offload_optimizer", ""),
                                                   getattr(cfg.strategy, "offload_param", ""))
     names = needed_ops(offload_nvme=offload_nvme)
@@ -241,6 +268,7 @@ def main(argv) -> int:
     def say(msg):
         print(f"launch.sh: {msg}", file=sys.stderr, flush=True)
 
+    use_environment_root()
     try:
         names = needed_ops()
         if cmd == "check":

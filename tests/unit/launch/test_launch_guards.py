@@ -186,3 +186,23 @@ def test_a_rank_gets_sigterm_when_its_launcher_dies(tmp_path):
         for p in (launcher, rank):
             if p.poll() is None:
                 p.kill()
+
+
+def test_each_virtual_environment_builds_its_ops_in_its_own_folder(monkeypatch, tmp_path):
+    """Two venvs sharing torch's default folder rebuilt each other's DeepSpeed op at every ZeRO run (minutes):
+    in a venv the ops live under <venv>/torch_extensions/<tag>; a TORCH_EXTENSIONS_DIR the user set wins."""
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "venv"))
+    monkeypatch.setattr(sys, "base_prefix", "/usr")
+    (tmp_path / "venv").mkdir()
+    ds_ops.use_environment_root()
+    root = os.environ["TORCH_EXTENSIONS_DIR"]
+    assert root.startswith(str(tmp_path / "venv" / "torch_extensions") + os.sep), root
+    assert ds_ops.build_dir(ds_ops.SHM_COMM) == os.path.join(root, ds_ops.SHM_COMM)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "mine"))
+    ds_ops.use_environment_root()
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(tmp_path / "mine")
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    monkeypatch.setattr(sys, "base_prefix", sys.prefix)  # not a venv: torch's own default
+    ds_ops.use_environment_root()
+    assert "TORCH_EXTENSIONS_DIR" not in os.environ
