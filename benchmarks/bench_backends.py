@@ -1,15 +1,25 @@
 #!/usr/bin/env python
 """Each backend against its own limit: Tessera's tokens/s per strategy next to a bare loop on the same engine, model,
 data, global batch, sequence and precision (plain DDP, a bare DeepSpeed engine loop for ZeRO-2 and ZeRO-3, a bare
-FSDP2 `fully_shard` loop, a bare single-process loop), with intervals over alternating repeats, and Tessera's
-per-step overhead in milliseconds (its step time less the bare loop's: the host work around the same math).
+FSDP2 `fully_shard` loop, a bare single-process loop) and next to the Hugging Face Trainer with its own integration
+of that engine, with intervals over alternating repeats, and Tessera's per-step overhead in milliseconds (its step
+time less the bare loop's: the host work around the same math).
 
     python benchmarks/bench_backends.py                           # tiny preset, fp32, 2 ranks, 4 repeats
     python benchmarks/bench_backends.py --rows zero2,zero3 --repeats 6 --out /tmp/backends.json
-    python benchmarks/bench_backends.py --quick                   # debug-size model, 1 repeat (the tests run it)
+    python benchmarks/bench_backends.py --quick --against hf      # debug-size model, 1 repeat, HF side only
 
-Repeats alternate the sides (Tessera, bare, Tessera, ...) so that slow drift of the machine hits both; each figure
-is the median with the lowest and highest run. See benchmarks/README.md.
+The HF side (`--against hf`; default bare,hf) runs transformers.Trainer under torchrun like the bare loops, with
+the same model, sequences, micro batch, accumulation, AdamW hyper-parameters and kernel, clipping, precision and
+steps (benchmarks/common.py hf_train): single and ddp are its own loop (DDP with strategy=ddp's bucket size and
+find_unused_parameters); zero2 / zero3 pass Tessera's DeepSpeed config (build_ds_config) as
+`TrainingArguments(deepspeed=...)`; fsdp asks for FSDP2 (`fsdp_config` version 2, each decoder layer wrapped). On
+CPU the fsdp row's HF side is not run: accelerate enables FSDP (version 1 or 2) only on accelerator devices and
+would train plain DDP instead, so the row lists it under not_run with the reason.
+
+Repeats rotate the order of the sides (Tessera, bare, HF; bare, HF, Tessera; ...) so that slow drift of the machine
+hits all; each figure is the median with the lowest and highest run, ratios are per repeat. See
+benchmarks/README.md.
 """
 from __future__ import annotations
 
@@ -30,51 +40,36 @@ QUICK = dict(model="tiny", precision="fp32", seq_len=32, global_batch=4, micro_b
 ROWS = ("single", "ddp", "zero2", "zero3", "fsdp")
 
 
-# ---- the bare loops (one process per rank, started by torchrun) ------------------------------------------------
-def _setup(spec):
-    """Process group, config, model and this rank's micro-batches of a few global batches, built as the trainer
-    builds them (the same seed, the same sequences)."""
+# ---- the bare loops and the HF Trainer (one process per rank, started by torchrun) ---------------------------------
+def _process_group(device) -> None:
+    """NCCL on a GPU, else gloo; the HF side's accelerate and DeepSpeed join this group instead of making theirs."""
     import torch
     import torch.distributed as dist
 
-    from models import registry
-    from trainer.data.datasets import build_data
-    from trainer.data.sampler import rank_slice
-
-    torch.set_num_threads(spec["threads"])
-    cfg = C.compose(spec["overrides"])
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) \
-        if torch.cuda.is_available() and cfg.train.device != "cpu" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+
+
+def _setup(spec):
+    """Process group, config, model and this rank's micro-batches of a few global batches, built as the trainer
+    builds them (the same seed, the same sequences)."""
+    import torch.distributed as dist
+
+    from trainer.data.sampler import rank_slice
+
+    cfg, model, train = C.build_model_and_data(spec)
+    device = C.train_device(cfg)
+    _process_group(device)
     rank, world = dist.get_rank(), dist.get_world_size()
-    tokenizer = registry.load_tokenizer(cfg.model)
-    info = registry.describe(cfg.model, tokenizer)
-    model = registry.build(cfg.model, info, cfg.train.seed)
-    train = build_data(cfg, tokenizer, info.vocab_size, log=lambda msg: None).train
-    gbs, mbs = cfg.train.global_batch_size, cfg.train.micro_batch_size
+    mbs = cfg.train.micro_batch_size
     steps = []
-    for b in range(max(1, min(4, len(train) // gbs))):
-        mine = rank_slice(list(range(b * gbs, (b + 1) * gbs)), rank, world)
+    for indices in C.global_batch_indices(cfg, train):
+        mine = rank_slice(indices, rank, world)
         steps.append([{k: v.to(device) for k, v in train.get(mine[i:i + mbs]).items()
                        if k in ("input_ids", "labels")} for i in range(0, len(mine), mbs)])
     return cfg, device, model, steps, world
-
-
-def _optimizer(cfg, model):
-    import torch
-
-    from trainer.run.optim import implementation_kwargs
-
-    o = cfg.optim
-    decay = [p for p in model.parameters() if p.dim() >= 2]  # weight decay on matrices only, as the trainer does
-    rest = [p for p in model.parameters() if p.dim() < 2]
-    kernel = implementation_kwargs(o.implementation, decay + rest, o.name)
-    return torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
-                              {"params": rest, "weight_decay": 0.0}], lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                             **kernel)
 
 
 def _ce_sum(model, batch, amp, device):
@@ -118,7 +113,7 @@ def bare_torch(spec, wrap: str) -> list:
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh, reshard_after_forward=cfg.strategy.reshard_after_forward)
         fully_shard(model, mesh=mesh, reshard_after_forward=cfg.strategy.reshard_after_forward)
-    opt = _optimizer(cfg, model)
+    opt = C.adamw(cfg, model)
     amp = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.precision.name]
     scale = world / (cfg.train.global_batch_size * cfg.data.seq_len)
 
@@ -143,7 +138,7 @@ def bare_deepspeed(spec) -> list:
 
     cfg, device, model, steps, world = _setup(spec)
     ds_config, _ = build_ds_config(cfg, world)
-    engine, _, _, _ = deepspeed.initialize(model=model.to(device), optimizer=_optimizer(cfg, model), config=ds_config)
+    engine, _, _, _ = deepspeed.initialize(model=model.to(device), optimizer=C.adamw(cfg, model), config=ds_config)
     scale = world / (cfg.train.global_batch_size * cfg.data.seq_len)
 
     def one_step(micro_batches):
@@ -154,16 +149,73 @@ def bare_deepspeed(spec) -> list:
     return _timed(steps, cfg.train.max_steps, one_step, device)
 
 
+class NotRun(Exception):
+    """A side that cannot run a row on this machine; the message says why."""
+
+
+def hf_side(spec) -> list:
+    """The Hugging Face Trainer on this row (common.hf_train: same model, sequences, batch shape, AdamW, clipping,
+    precision and steps), with the row's distributed settings (_hf_args). NotRun where HF would not use the
+    row's engine (FSDP on CPU: accelerate ignores fsdp_config there and would train plain DDP)."""
+    import torch.distributed as dist
+
+    cfg, model, train = C.build_model_and_data(spec)
+    _process_group(C.train_device(cfg))
+    row, world = spec["row"], dist.get_world_size()
+
+    def check(trainer):
+        state = trainer.accelerator.state
+        engine = {"zero2": trainer.is_deepspeed_enabled, "zero3": trainer.is_deepspeed_enabled,
+                  "fsdp": trainer.is_fsdp_enabled and state.is_fsdp2}.get(row, True)
+        if not engine or state.num_processes != world:
+            why = " (accelerate turns FSDP on for accelerator devices only; fsdp_config is ignored and it would " \
+                  "train plain DDP)" if row == "fsdp" and state.device.type == "cpu" else ""
+            raise NotRun(f"HF Trainer: accelerate sets this run up as {state.distributed_type.value} on "
+                         f"{state.num_processes} process(es), not {row} on {world}{why}")
+
+    extra = _hf_args(cfg, row, world, type(model.model.layers[0]).__name__)
+    return C.hf_train(cfg, model, train, spec["work"], check=check, **extra)
+
+
+def _hf_args(cfg, row: str, world: int, layer_class: str) -> dict:
+    """TrainingArguments of a row: single none; ddp the DDP bucket size and find_unused_parameters of
+    strategy=ddp (HF would turn find_unused_parameters on); zero2 / zero3 the DeepSpeed config Tessera builds;
+    fsdp FSDP2 (accelerate's fully_shard) on every decoder layer and the root."""
+    s = cfg.strategy
+    if row == "ddp":
+        return {"ddp_bucket_cap_mb": int(s.bucket_cap_mb), "ddp_find_unused_parameters": s.find_unused_parameters}
+    if row.startswith("zero"):
+        from trainer.strategies.deepspeed import build_ds_config
+
+        ds, _ = build_ds_config(cfg, world)
+        # Tessera's config with the keys HF checks against TrainingArguments set to "auto" (HF fills in the same
+        # values): batch sizes, accumulation, clipping, bf16 / fp16 enabled. No optimizer section: HF's AdamW.
+        ds.update({k: "auto" for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                       "gradient_accumulation_steps", "gradient_clipping")})
+        ds["bf16"], ds["fp16"] = {**ds["bf16"], "enabled": "auto"}, {**ds["fp16"], "enabled": "auto"}
+        return {"deepspeed": ds}
+    if row == "fsdp":
+        return {"fsdp": True, "fsdp_config": {"version": 2, "reshard_after_forward": s.reshard_after_forward,
+                                              "transformer_layer_cls_to_wrap": [layer_class]}}
+    return {}
+
+
 def worker(path: str) -> int:
     import torch.distributed as dist
 
     spec = json.load(open(path))
     row = spec["row"]
-    ends = bare_deepspeed(spec) if row.startswith("zero") else bare_torch(spec, row)
-    if dist.get_rank() == 0:
-        spec["step_ends"] = ends
+    try:
+        if spec["side"] == "hf":
+            spec["step_ends"] = hf_side(spec)
+        else:
+            spec["step_ends"] = bare_deepspeed(spec) if row.startswith("zero") else bare_torch(spec, row)
+    except NotRun as e:  # every rank finds the same
+        spec["not_run"] = str(e)
+    if int(os.environ.get("RANK", 0)) == 0:
         json.dump(spec, open(path, "w"))
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
     return 0
 
 
@@ -173,7 +225,7 @@ def nproc_of(row: str, a) -> int:
 
 
 def measure(a, row: str, side: str, work: str, tag: str) -> float:
-    """Seconds per step after the warm-up, of Tessera's run or the bare loop's."""
+    """Seconds per step after the warm-up of one side: Tessera's run, the bare loop's or the HF Trainer's."""
     overrides = [*C.shape_overrides(a), f"strategy={row}"]
     env = C.thread_env(a.threads)
     n = nproc_of(row, a)
@@ -181,7 +233,8 @@ def measure(a, row: str, side: str, work: str, tag: str) -> float:
         run = C.run_trainer(overrides, n, os.path.join(work, tag), env, a.timeout)
         return a.global_batch * a.seq_len / C.tokens_per_s(run["metrics"], a.warmup)
     spec_path = os.path.join(work, tag + ".json")
-    json.dump({"overrides": overrides, "threads": a.threads, "row": row}, open(spec_path, "w"))
+    json.dump({"overrides": overrides, "threads": a.threads, "row": row, "side": side,
+               "work": os.path.join(work, tag)}, open(spec_path, "w"))
     from trainer.launch.choose import run_process_group
     from trainer.parallel.dims import free_port
 
@@ -189,8 +242,13 @@ def measure(a, row: str, side: str, work: str, tag: str) -> float:
            os.path.abspath(__file__), "--worker", spec_path]
     done = run_process_group(cmd, env=env, timeout=a.timeout)
     if done.returncode != 0:
-        raise C.RunFailed(f"bare {row} loop: exit {done.returncode}: {done.stderr.strip()[-1500:]}")
-    ends = json.load(open(spec_path))["step_ends"]
+        raise C.RunFailed(f"{side} {row} loop: exit {done.returncode}: {done.stderr.strip()[-1500:]}")
+    result = json.load(open(spec_path))
+    if "not_run" in result:
+        raise NotRun(result["not_run"])
+    ends = result["step_ends"]
+    if len(ends) != a.warmup + a.steps:
+        raise C.RunFailed(f"{side} {row} loop: {len(ends)} optimizer steps, not {a.warmup + a.steps}")
     return (ends[-1] - ends[a.warmup - 1]) / (len(ends) - a.warmup)
 
 
@@ -199,31 +257,62 @@ def summary(times: list) -> dict:
 
 
 def row_result(a, row: str, work: str) -> dict:
-    """Alternating repeats of both sides of one row -> tokens/s, ratio and overhead, each with its range."""
-    times = {"tessera": [], "bare": []}
+    """Repeats of Tessera and the --against sides of one row, order rotated -> tokens/s, ratios (and the
+    overhead against the bare loop), each with its range; a side that cannot run here is listed in not_run."""
+    sides = ["tessera", *a.against]
+    times, not_run = {s: [] for s in sides}, {}
     for i in range(a.repeats):
-        for side in (("tessera", "bare") if i % 2 == 0 else ("bare", "tessera")):
-            times[side].append(measure(a, row, side, work, f"{row}-{side}{i}"))
+        for side in sides[i % len(sides):] + sides[:i % len(sides)]:  # rotated: slow drift hits every side
+            if side in not_run:
+                continue
+            try:
+                times[side].append(measure(a, row, side, work, f"{row}-{side}{i}"))
+            except NotRun as e:
+                not_run[side] = str(e)
+                print(f"{row:7s} {side}: not run: {e}", flush=True)
+                continue
             print(f"{row:7s} repeat {i + 1} {side:8s} {1000 * times[side][-1]:9.1f} ms/step", flush=True)
+    times = {s: v for s, v in times.items() if s not in not_run}
     tokens = a.global_batch * a.seq_len
-    ratios = [b / t for t, b in zip(times["tessera"], times["bare"])]  # pairs from the same repeat
-    overheads = [1000 * (t - b) for t, b in zip(times["tessera"], times["bare"])]
-    return {"row": row, "nproc": nproc_of(row, a),
-            "tokens_per_s": {s: summary([tokens / x for x in v]) for s, v in times.items()},
-            "ms_per_step": {s: summary([1000 * x for x in v]) for s, v in times.items()},
-            "ratio": summary(ratios), "overhead_ms": summary(overheads)}
+    out = {"row": row, "nproc": nproc_of(row, a),
+           "tokens_per_s": {s: summary([tokens / x for x in v]) for s, v in times.items()},
+           "ms_per_step": {s: summary([1000 * x for x in v]) for s, v in times.items()}}
+    if "bare" in times:  # pairs from the same repeat
+        out["ratio"] = summary([b / t for t, b in zip(times["tessera"], times["bare"])])
+        out["overhead_ms"] = summary([1000 * (t - b) for t, b in zip(times["tessera"], times["bare"])])
+    if "hf" in times:
+        out["ratio_hf"] = summary([h / t for t, h in zip(times["tessera"], times["hf"])])
+    if not_run:
+        out["not_run"] = not_run
+    return out
 
 
-def report(results: list) -> None:
-    def rng(s, fmt):
+def report(results: list, against: list) -> None:
+    def rng(r, side, key, fmt):
+        if side in r.get("not_run", {}):
+            return "not run"
+        s = r[key] if key else r["tokens_per_s"][side]
         return f"{fmt.format(s['median'])} [{fmt.format(s['low'])}, {fmt.format(s['high'])}]"
 
-    print("\n" + C.markdown_table(
-        ["row", "ranks", "Tessera tokens/s", "bare loop tokens/s", "Tessera / bare", "overhead ms/step"],
-        [[r["row"], r["nproc"], rng(r["tokens_per_s"]["tessera"], "{:.0f}"), rng(r["tokens_per_s"]["bare"], "{:.0f}"),
-          rng(r["ratio"], "{:.3f}"), rng(r["overhead_ms"], "{:+.1f}")] for r in results]))
-    print("\nmedian [lowest, highest] over the repeats; ratio and overhead per repeat pair (Tessera and the bare loop "
-          "measured back to back)")
+    headers, cells = ["row", "ranks", "Tessera tokens/s"], []
+    if "bare" in against:
+        headers += ["bare loop tokens/s", "Tessera / bare", "overhead ms/step"]
+    if "hf" in against:
+        headers += ["HF Trainer tokens/s", "Tessera / HF"]
+    for r in results:
+        row = [r["row"], r["nproc"], rng(r, "tessera", None, "{:.0f}")]
+        if "bare" in against:
+            row += [rng(r, "bare", None, "{:.0f}"), rng(r, "bare", "ratio", "{:.3f}"),
+                    rng(r, "bare", "overhead_ms", "{:+.1f}")]
+        if "hf" in against:
+            row += [rng(r, "hf", None, "{:.0f}"), rng(r, "hf", "ratio_hf", "{:.3f}")]
+        cells.append(row)
+    print("\n" + C.markdown_table(headers, cells))
+    print("\nmedian [lowest, highest] over the repeats; ratios and overhead per repeat (Tessera and the other side "
+          "measured in the same round)")
+    for r in results:
+        for side, why in r.get("not_run", {}).items():
+            print(f"{r['row']}: {side} not run: {why}")
 
 
 def main(argv=None) -> int:
@@ -232,11 +321,17 @@ def main(argv=None) -> int:
     ap = C.shape_parser(__doc__, FULL, QUICK)
     ap.add_argument("--rows", default=",".join(ROWS), help=f"comma list of {', '.join(ROWS)} (default all)")
     ap.add_argument("--nproc", type=int, default=2, help="ranks of the distributed rows (default 2)")
-    ap.add_argument("--repeats", type=int, help="measurements per side, alternating (default 4; --quick 1)")
+    ap.add_argument("--against", default="bare,hf", help="sides measured next to Tessera, comma list of bare, hf "
+                                                            "(default both)")
+    ap.add_argument("--repeats", type=int, help="measurements per side, order rotated (default 4; --quick 1)")
     a = C.finish_shape(ap, ap.parse_args(argv))
     rows = [r for r in a.rows.split(",") if r]
     if not rows or set(rows) - set(ROWS):
         ap.error(f"--rows takes a comma list of {', '.join(ROWS)}")
+    against = {s for s in a.against.split(",") if s}
+    if not against or against - {"bare", "hf"}:
+        ap.error("--against takes a comma list of bare, hf")
+    a.against = [s for s in ("bare", "hf") if s in against]
     a.repeats = a.repeats or (1 if a.quick else 4)
     work = tempfile.mkdtemp(prefix="tessera-backends-")
     try:
@@ -245,8 +340,8 @@ def main(argv=None) -> int:
         C.fail("bench_backends", str(e))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    report(results)
-    C.write_json(a.out, {"config": {k: getattr(a, k) for k in (*FULL, "threads", "repeats", "nproc", "set")},
+    report(results, a.against)
+    C.write_json(a.out, {"config": {k: getattr(a, k) for k in (*FULL, "threads", "repeats", "nproc", "against", "set")},
                          "rows": results})
     return 0
 

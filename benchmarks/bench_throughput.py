@@ -25,44 +25,21 @@ FULL = dict(model="tiny", precision="fp32", seq_len=128, global_batch=16, micro_
 QUICK = dict(model="tiny", precision="fp32", seq_len=32, global_batch=4, micro_batch=2, warmup=2, steps=4)
 
 
-def build_side(spec):
-    """The config, model, optimizer and micro-batches both baselines share, built as the trainer builds them."""
-    import torch
-
-    from models import registry
-    from trainer.data.datasets import build_data
-    from trainer.run.optim import implementation_kwargs
-
-    torch.set_num_threads(spec["threads"])
-    cfg = C.compose(spec["overrides"])
-    tokenizer = registry.load_tokenizer(cfg.model)
-    info = registry.describe(cfg.model, tokenizer)
-    model = registry.build(cfg.model, info, cfg.train.seed)
-    o = cfg.optim
-    decay = [p for p in model.parameters() if p.dim() >= 2]  # weight decay on matrices only, as the trainer does
-    rest = [p for p in model.parameters() if p.dim() < 2]
-    kernel = implementation_kwargs(o.implementation, decay + rest, o.name)
-    train = build_data(cfg, tokenizer, info.vocab_size, log=lambda msg: None).train
-    gbs = cfg.train.global_batch_size
-    batches = [train.get(list(range(b * gbs, (b + 1) * gbs))) for b in range(max(1, min(4, len(train) // gbs)))]
-    return cfg, model, (decay, rest), kernel, batches
-
-
 def bare_loop(spec) -> list:
     """forward -> summed cross entropy / target tokens -> backward -> clip -> AdamW step -> zero_grad; returns
     the wall time at the end of every step (after a host sync)."""
     import torch
     import torch.nn.functional as F
 
-    cfg, model, (decay, rest), kernel, batches = build_side(spec)
-    o, t = cfg.optim, cfg.train
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay}, {"params": rest, "weight_decay": 0.0}],
-                            lr=o.lr, betas=tuple(o.betas), eps=o.eps, **kernel)
+    cfg, model, train = C.build_model_and_data(spec)
+    t = cfg.train
+    opt = C.adamw(cfg, model)
     amp = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.precision.name]
     mbs, n_target = t.micro_batch_size, t.global_batch_size * cfg.data.seq_len
-    device = "cuda" if torch.cuda.is_available() and t.device != "cpu" else "cpu"  # where the trainer would run
+    device = C.train_device(cfg).type  # where the trainer would run
     model.to(device)
-    batches = [{k: v.to(device) for k, v in b.items() if k in ("input_ids", "labels")} for b in batches]
+    batches = [{k: v.to(device) for k, v in train.get(ix).items() if k in ("input_ids", "labels")}
+               for ix in C.global_batch_indices(cfg, train)]
     ends = []
     for step in range(t.max_steps):
         batch = batches[step % len(batches)]
@@ -81,32 +58,9 @@ def bare_loop(spec) -> list:
 
 
 def hf_trainer(spec) -> list:
-    """transformers.Trainer on the same model and sequences (labels already shifted: passed as `shift_labels`,
-    so HF's loss covers the same targets), AdamW with the same kernel; step end times from a callback."""
-    import torch
-    from transformers import Trainer, TrainerCallback, TrainingArguments
-
-    cfg, model, _, kernel, batches = build_side(spec)
-    o, t = cfg.optim, cfg.train
-    rows = [{"input_ids": b["input_ids"][i], "labels": b["labels"][i], "shift_labels": b["labels"][i]}
-            for b in batches for i in range(len(b["input_ids"]))]
-    ends = []
-
-    class StepEnds(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            ends.append(time.perf_counter())
-
-    args = TrainingArguments(
-        output_dir=spec["work"], per_device_train_batch_size=t.micro_batch_size,
-        gradient_accumulation_steps=t.global_batch_size // t.micro_batch_size, max_steps=t.max_steps,
-        learning_rate=o.lr, weight_decay=o.weight_decay, adam_beta1=o.betas[0], adam_beta2=o.betas[1],
-        adam_epsilon=o.eps, max_grad_norm=t.grad_clip, lr_scheduler_type="constant", warmup_steps=0,
-        optim="adamw_torch_fused" if kernel.get("fused") else "adamw_torch", bf16=cfg.precision.name == "bf16",
-        fp16=cfg.precision.name == "fp16", use_cpu=not torch.cuda.is_available(), save_strategy="no",
-        report_to=[], logging_steps=t.max_steps, disable_tqdm=True, remove_unused_columns=False,
-        dataloader_num_workers=0, seed=t.seed)
-    Trainer(model=model, args=args, train_dataset=rows, callbacks=[StepEnds()]).train()
-    return ends
+    """transformers.Trainer on the same model and sequences, one process (common.hf_train)."""
+    cfg, model, train = C.build_model_and_data(spec)
+    return C.hf_train(cfg, model, train, spec["work"])
 
 
 def measure(a, side: str, work: str, tag: str) -> float:

@@ -1,5 +1,6 @@
 """Shared plumbing of the benchmark scripts: run the trainer through its launcher and collect what it writes
-(metrics.jsonl, memory.json, its log), the run-shape overrides, argument parsing, Markdown tables, JSON results.
+(metrics.jsonl, memory.json, its log), the run-shape overrides, argument parsing, Markdown tables, JSON results,
+and the baselines' common pieces (model and data as the trainer builds them, its AdamW, the HF Trainer run).
 
 Run as a script, this file is the per-rank entry of a probed run (`launcher_command(..., script=PROBE)` with
 TESSERA_BENCH_PROBE=<folder>): it runs trainer/main.py unchanged and times pipeline stages' compute in one step. Collective bytes are
@@ -94,6 +95,96 @@ def compose(overrides) -> object:
 def thread_env(threads: int) -> dict:
     return dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
                 TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The baselines' shared pieces (bench_throughput.py, bench_backends.py)
+# ---------------------------------------------------------------------------------------------------------------
+def build_model_and_data(spec) -> tuple:
+    """(config, seeded model, training sequences) for spec["overrides"], built as the trainer builds them (the
+    same seed, the same sequences), with spec["threads"] torch threads."""
+    import torch
+
+    from models import registry
+    from trainer.data.datasets import build_data
+
+    torch.set_num_threads(spec["threads"])
+    cfg = compose(spec["overrides"])
+    tokenizer = registry.load_tokenizer(cfg.model)
+    info = registry.describe(cfg.model, tokenizer)
+    model = registry.build(cfg.model, info, cfg.train.seed)
+    return cfg, model, build_data(cfg, tokenizer, info.vocab_size, log=lambda msg: None).train
+
+
+def global_batch_indices(cfg, train) -> list:
+    """Sequence indices of the first global batches (at most 4), which every baseline cycles through."""
+    gbs = cfg.train.global_batch_size
+    return [list(range(b * gbs, (b + 1) * gbs)) for b in range(max(1, min(4, len(train) // gbs)))]
+
+
+def train_device(cfg):
+    """Where the trainer would run this rank: its local GPU, unless there is none or train.device=cpu."""
+    import torch
+
+    if torch.cuda.is_available() and cfg.train.device != "cpu":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def adamw(cfg, model):
+    """The trainer's AdamW for `model`: the config's hyper-parameters and kernel, weight decay on matrices only."""
+    import torch
+
+    from trainer.run.optim import implementation_kwargs
+
+    o = cfg.optim
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    kernel = implementation_kwargs(o.implementation, decay + rest, o.name)
+    return torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
+                              {"params": rest, "weight_decay": 0.0}], lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                             **kernel)
+
+
+def hf_train(cfg, model, train, work: str, check=None, **extra) -> list:
+    """transformers.Trainer on `model` over the first global batches' sequences in order (labels already
+    shifted: passed as `shift_labels`, so HF's loss covers the same targets); AdamW with the config's lr, betas,
+    eps, weight decay and kernel, clipping at train.grad_clip, constant lr, no eval, saving or progress bar.
+    The global batch is micro batch x WORLD_SIZE x accumulation. `extra`: more TrainingArguments (the row's
+    distributed settings); `check(trainer)` runs before training. Returns this rank's wall time at the end of
+    every optimizer step."""
+    import torch
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from trainer.run.optim import implementation_kwargs
+
+    o, t = cfg.optim, cfg.train
+    cuda = train_device(cfg).type == "cuda"
+    fused = implementation_kwargs(o.implementation, list(model.parameters()), o.name).get("fused")
+    rows = [{"input_ids": b["input_ids"][i], "labels": b["labels"][i], "shift_labels": b["labels"][i]}
+            for b in map(train.get, global_batch_indices(cfg, train)) for i in range(len(b["input_ids"]))]
+    ends = []
+
+    class StepEnds(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if cuda:
+                torch.cuda.synchronize()
+            ends.append(time.perf_counter())
+
+    args = TrainingArguments(
+        output_dir=work, per_device_train_batch_size=t.micro_batch_size, max_steps=t.max_steps,
+        gradient_accumulation_steps=t.global_batch_size // (t.micro_batch_size * int(os.environ.get("WORLD_SIZE", 1))),
+        learning_rate=o.lr, weight_decay=o.weight_decay, adam_beta1=o.betas[0], adam_beta2=o.betas[1],
+        adam_epsilon=o.eps, max_grad_norm=t.grad_clip, lr_scheduler_type="constant", warmup_steps=0,
+        optim="adamw_torch_fused" if fused else "adamw_torch", bf16=cfg.precision.name == "bf16",
+        fp16=cfg.precision.name == "fp16", use_cpu=not cuda, save_strategy="no", report_to=[],
+        logging_steps=t.max_steps, disable_tqdm=True, remove_unused_columns=False, dataloader_num_workers=0,
+        train_sampling_strategy="sequential", seed=t.seed, **extra)
+    trainer = Trainer(model=model, args=args, train_dataset=rows, callbacks=[StepEnds()])
+    if check:
+        check(trainer)
+    trainer.train()
+    return ends
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -40,21 +40,35 @@ def test_throughput_against_bare_loop_and_hf_trainer(tmp_path):
     assert "| Tessera trainer |" in proc.stdout
 
 
-def test_backends_against_their_bare_loops(tmp_path):
+def test_backends_against_their_bare_loops_and_hf_trainer(tmp_path):
     """bench_backends.py --quick on the DeepSpeed engine loop and the FSDP2 loop (the DDP and single loops are the
-    same function with another wrap): both sides measured, ratios and overheads per repeat pair; a bad row name is
-    one message, exit 2."""
+    same function with another wrap), each against the bare loop and the HF Trainer: ratios and overheads per
+    repeat; HF's fsdp row is listed as not run on CPU (accelerate has no FSDP there); a bad row name is one
+    message, exit 2."""
+    import torch
+
     out = tmp_path / "b.json"
-    proc = _run([BENCH / "bench_backends.py", "--quick", "--rows", "zero2,fsdp", "--out", out], timeout=900)
+    proc = _run([BENCH / "bench_backends.py", "--quick", "--rows", "zero2,fsdp", "--against", "bare,hf", "--out", out],
+                timeout=1200)
     rows = {r["row"]: r for r in json.loads(out.read_text())["rows"]}
     assert list(rows) == ["zero2", "fsdp"] and rows["fsdp"]["nproc"] == 2
     for row in rows.values():
         assert all(_positive(row["tokens_per_s"][side]["median"]) for side in ("tessera", "bare"))
         t, b = row["ms_per_step"]["tessera"]["runs"][0], row["ms_per_step"]["bare"]["runs"][0]
         assert row["ratio"]["median"] == pytest.approx(b / t) and row["overhead_ms"]["median"] == pytest.approx(t - b)
-    assert "| zero2 | 2 |" in proc.stdout
+    hf_rows = ["zero2", "fsdp"] if torch.cuda.is_available() else ["zero2"]
+    for name in hf_rows:
+        row = rows[name]
+        assert all(_positive(row["ratio_hf"][k]) for k in ("median", "low", "high"))
+        t, h = row["ms_per_step"]["tessera"]["runs"][0], row["ms_per_step"]["hf"]["runs"][0]
+        assert row["ratio_hf"]["median"] == pytest.approx(h / t)
+    if not torch.cuda.is_available():
+        assert "ratio_hf" not in rows["fsdp"] and "FSDP" in rows["fsdp"]["not_run"]["hf"]
+    assert "| zero2 | 2 |" in proc.stdout and "Tessera / HF" in proc.stdout
     bad = _run([BENCH / "bench_backends.py", "--quick", "--rows", "zero9"], timeout=120, expect=2)
     assert "--rows takes a comma list" in bad.stderr
+    bad = _run([BENCH / "bench_backends.py", "--quick", "--against", "trl"], timeout=120, expect=2)
+    assert "--against takes a comma list" in bad.stderr
 
 
 def test_matrix_reports_every_requested_row(tmp_path):
