@@ -37,7 +37,9 @@ def check_case(case: str, proc, seconds: float, code: int, expected: str, allow_
     assert expected in out, f"{case}: {expected!r} not in the output\n{tail}"
     if not allow_traceback:
         assert "Traceback" not in out, f"{case}: a traceback\n{tail}"
-    message = message_of(out) or next((line for line in out.splitlines() if expected in line), "")
+    message = message_of(out)
+    if expected not in message:  # one of several listed problems: its own line
+        message = next((line.strip(" -") for line in out.splitlines() if expected in line), message)
     record(case, proc.returncode, seconds, message)
     return message
 

@@ -58,8 +58,6 @@ CASES = [
      "no 'text' field"),
     ("sft-without-answer", ["data=sft", "data.path={tmp}/sft_noanswer.jsonl"], "python", 1, 2,
      "non-empty 'output'"),
-    ("seq-len-over-max", ["data.seq_len=4096", "model.max_position_embeddings=512"], "python", 1, 2,
-     "data.seq_len=4096 exceeds model.max_position_embeddings=512"),
     ("single-on-two-ranks", ["strategy=single"], "torchrun-quiet", 2, 2, "strategy=single runs one process"),
     # a hydra.* override that does not parse: Hydra would exit 1 with its own report on every rank
     ("hydra-override-does-not-parse", ["hydra.job.name=a=b"], "torchrun-quiet", 2, 2,
@@ -72,58 +70,18 @@ CASES = [
     ("zero-bubble-with-fsdp", ["strategy=pp_fsdp", "strategy.pp=2", "strategy.pp_schedule=zbv",
                                "train.global_batch_size=8", "train.micro_batch_size=1"], "torchrun-quiet", 4, 2,
      "strategy.pp_schedule=zbv splits the backward into input and weight passes"),
-    # DeepSpeed JSON with wrong types: checked before DeepSpeed sees it, naming the JSON key.
-    ("ds-json-stage-not-a-number", ["strategy=zero2", "strategy.deepspeed_config={tmp}/ds_stage.json"], "python", 1,
-     2, "zero_optimization.stage='two' must be one of 0, 1, 2, 3"),
-    ("ds-json-offload-not-an-object", ["strategy=zero2", "strategy.deepspeed_config={tmp}/ds_offload.json"], "python",
-     1, 2, "zero_optimization.offload_optimizer='cpu' must be a JSON object"),
-    # Numbers out of range (torch would raise inside the optimizer; others were silently accepted).
-    ("optim-eps-negative", ["optim.eps=-1"], "python", 1, 2, "optim.eps=-1.0 must be > 0"),
-    ("eval-max-sequences-negative", ["eval.max_sequences=-5"], "python", 1, 2, "eval.max_sequences=-5 must be >= 0"),
-    ("keep-last-negative", ["checkpoint.keep_last=-1"], "python", 1, 2, "checkpoint.keep_last=-1 must be >= 0"),
-    ("weight-decay-negative", ["optim.weight_decay=-5"], "python", 1, 2, "optim.weight_decay=-5.0 must be >= 0"),
-    ("zero-fp16-on-cpu", ["strategy=zero2", "precision=fp16", "train.device=cpu"], "python", 1, 2,
-     "precision=fp16 with strategy=zero2 needs a CUDA device"),
-    # torchft replica groups: a lighthouse nobody listens on is an error at start-up, not a hang in the first quorum;
-    # a group that does not say which it is would train on another group's share of the data.
+    # torchft replica groups: a lighthouse nobody listens on is an error at start-up, not a hang in the first quorum
     ("torchft-lighthouse-unreachable", ["strategy=ddp", "strategy.fault_tolerance=torchft",
                                         "strategy.lighthouse=http://127.0.0.1:1"], "torchrun-quiet", 2, 2,
      "the torchft lighthouse at http://127.0.0.1:1 (strategy.lighthouse) cannot be reached"),
-    ("torchft-group-not-named", ["strategy=ddp", "strategy.fault_tolerance=torchft", "strategy.replica_groups=2",
-                                 "strategy.lighthouse=http://127.0.0.1:1"], "python", 1, 2,
-     "strategy.replica_group=-1 must name this job's group, 0..1"),
-    # Compression and synchronisation a strategy or this machine cannot use (refused before any process group).
-    ("comm-hook-on-fsdp", ["strategy=fsdp", "strategy.comm_hook=powersgd"], "python", 1, 2,
-     "strategy.comm_hook=powersgd is a DDP communication hook; strategy=fsdp cannot use it"),
-    ("diloco-on-zero2", ["strategy=zero2", "sync=diloco"], "python", 1, 2,
-     "sync=diloco is not available with strategy=zero2; use strategy=ddp"),
-    ("powersgd-warmup-too-short", ["strategy=ddp", "strategy.comm_hook=powersgd", "strategy.powersgd_warmup_steps=1"],
-     "python", 1, 2, "strategy.powersgd_warmup_steps=1 must be >= 2"),
-    ("zeropp-on-cpu", ["strategy=zero3", "strategy.zero_quantized_gradients=true", "train.device=cpu"], "python", 1, 2,
-     "needs CUDA devices (DeepSpeed's quantisation kernels)"),
-    ("sync-hook-together", ["strategy=ddp", "sync=local_sgd", "strategy.comm_hook=bf16"], "python", 1, 2,
-     "strategy.comm_hook=bf16 compresses the per-step gradient reduction, which sync=local_sgd does not run"),
-    # Multi-task mixtures and packing (refused before any process group).
-    ("mixture-weights-sum-to-zero", ["data=mixture", "data.sources=[{{name: a, path: a.txt, weight: 0}}, "
-                                     "{{name: b, path: b.txt, weight: 0}}]"], "python", 1, 2,
-     "data.sources weights [0.0, 0.0] sum to zero; give at least one source a weight > 0"),
     ("packing-with-pipeline-parallelism", ["data.packing=documents", "strategy=pp"],
      "torchrun-quiet", 2, 2, "data.packing=documents is not available with pipeline parallelism"),
-    # LoRA (peft=lora) against the model and the layout.
-    ("lora-targets-match-nothing", ["peft=lora", "peft.target_modules=[qkv_fused]"], "python", 1, 2,
-     "peft.target_modules=['qkv_fused'] matches no module of llama"),
-    ("lora-adapter-of-another-base-model", ["peft=lora", "peft.adapter={tmp}/adapter-hidden-32"], "python", 1, 2,
-     "is an adapter for another base model (some/llama-h32)"),
+    # LoRA against the layout
     ("lora-with-tensor-parallelism", ["peft=lora", "strategy=tp"], "torchrun-quiet", 2, 2,
      "peft=lora is not available with tensor or pipeline parallelism"),
     # data.follow: the file or folder records are appended to must exist.
     ("follow-path-missing", ["data=text", "data.path={tmp}/stream.jsonl", "data.follow=true", "eval.every=0"],
      "torchrun-quiet", 2, 2, "does not exist; point it at the JSONL file or the folder"),
-    # Attention kernels this machine can't train with.
-    ("flash-attention-on-cpu", ["model.attn_implementation=flash_attention_2", "train.device=cpu"], "python", 1, 2,
-     "model.attn_implementation=flash_attention_2 needs a CUDA device"),
-    ("flex-attention-on-cpu", ["model.attn_implementation=flex_attention", "train.device=cpu"], "python", 1, 2,
-     "model.attn_implementation=flex_attention can't train on the CPU"),
 ]
 
 
@@ -139,6 +97,82 @@ def test_bad_input_exits_with_one_clear_message(tmp_path, name, overrides, launc
     out = proc.stdout + proc.stderr
     if nproc > 1:
         # Rank 0 prints the message; the same config, data or model problem is not repeated by every rank.
+        assert out.count(expected) == 1, out[-3000:]
+
+
+# Configuration problems found together before any process group starts: each launch holds several independent
+# cases of one layout (their launches differed only in the overrides), and every case must be listed in the one
+# message, which counts them. (name, overrides, expected text) per case.
+PROBLEM_GROUPS = {
+    "single": [
+        ("optim-eps-negative", ["optim.eps=-1"], "optim.eps=-1.0 must be > 0"),
+        ("eval-max-sequences-negative", ["eval.max_sequences=-5"], "eval.max_sequences=-5 must be >= 0"),
+        ("keep-last-negative", ["checkpoint.keep_last=-1"], "checkpoint.keep_last=-1 must be >= 0"),
+        ("weight-decay-negative", ["optim.weight_decay=-5"], "optim.weight_decay=-5.0 must be >= 0"),
+        ("seq-len-over-max", ["data.seq_len=4096", "model.max_position_embeddings=512"],
+         "data.seq_len=4096 exceeds model.max_position_embeddings=512"),
+        ("lora-targets-match-nothing", ["peft=lora", "peft.target_modules=[qkv_fused]"],
+         "peft.target_modules=['qkv_fused'] matches no module of llama"),
+    ],
+    # Attention kernels this machine can't train with; with LoRA too (its check builds the model, which transformers
+    # refused with a traceback from its kernel hub), and a mixture whose weights sum to zero.
+    "single-kernels": [
+        ("flash-attention-on-cpu", ["model.attn_implementation=flash_attention_2", "train.device=cpu", "peft=lora"],
+         "model.attn_implementation=flash_attention_2 needs a CUDA device"),
+        ("mixture-weights-sum-to-zero", ["data=mixture", "data.sources=[{{name: a, path: a.txt, weight: 0}}, "
+                                         "{{name: b, path: b.txt, weight: 0}}]"],
+         "data.sources weights [0.0, 0.0] sum to zero; give at least one source a weight > 0"),
+    ],
+    # DeepSpeed JSON with wrong types (checked before DeepSpeed sees it, naming the JSON key) and what ZeRO can't do
+    # on this machine or with this synchronisation.
+    "zero2": [
+        ("ds-json-stage-not-a-number", ["strategy.deepspeed_config={tmp}/ds_stage.json"],
+         "zero_optimization.stage='two' must be one of 0, 1, 2, 3"),
+        ("zero-fp16-on-cpu", ["precision=fp16", "train.device=cpu"],
+         "precision=fp16 with strategy=zero2 needs a CUDA device"),
+        ("diloco-on-zero2", ["sync=diloco"], "sync=diloco is not available with strategy=zero2; use strategy=ddp"),
+    ],
+    "zero3": [
+        ("ds-json-offload-not-an-object", ["strategy.deepspeed_config={tmp}/ds_offload.json"],
+         "zero_optimization.offload_optimizer='cpu' must be a JSON object"),
+        ("zeropp-on-cpu", ["strategy.zero_quantized_gradients=true", "train.device=cpu"],
+         "needs CUDA devices (DeepSpeed's quantisation kernels)"),
+    ],
+    # A torchft group that does not say which it is would train on another group's share of the data.
+    "ddp": [
+        ("powersgd-warmup-too-short", ["strategy.comm_hook=powersgd", "strategy.powersgd_warmup_steps=1"],
+         "strategy.powersgd_warmup_steps=1 must be >= 2"),
+        ("torchft-group-not-named", ["strategy.fault_tolerance=torchft", "strategy.replica_groups=2",
+                                     "strategy.lighthouse=http://127.0.0.1:1"],
+         "strategy.replica_group=-1 must name this job's group, 0..1"),
+    ],
+    "ddp-local-sgd": [
+        ("sync-hook-together", ["sync=local_sgd", "strategy.comm_hook=bf16"],
+         "strategy.comm_hook=bf16 compresses the per-step gradient reduction, which sync=local_sgd does not run"),
+        ("flex-attention-on-cpu", ["model.attn_implementation=flex_attention", "train.device=cpu"],
+         "model.attn_implementation=flex_attention can't train on the CPU"),
+    ],
+    "fsdp": [
+        ("comm-hook-on-fsdp", ["strategy.comm_hook=powersgd"],
+         "strategy.comm_hook=powersgd is a DDP communication hook; strategy=fsdp cannot use it"),
+        ("lora-adapter-of-another-base-model", ["peft=lora", "peft.adapter={tmp}/adapter-hidden-32"],
+         "is an adapter for another base model (some/llama-h32)"),
+    ],
+}
+
+
+@pytest.mark.parametrize("group", PROBLEM_GROUPS)
+def test_configuration_problems_exit_2_listed_together(tmp_path, group):
+    files = _files(tmp_path)
+    cases = PROBLEM_GROUPS[group]
+    strategy = group.split("-")[0]
+    args = QUICK + [f"strategy={strategy}"] + [o.format(tmp=files) for _, overrides, _ in cases for o in overrides]
+    with Timer() as t:
+        proc = launch("python", args, tmp_path / "run", timeout=120)  # a hang fails by timeout
+    out = proc.stdout + proc.stderr
+    assert f"error: {len(cases)} configuration problem(s):" in out, out[-3000:]
+    for name, _, expected in cases:
+        check_case(name, proc, t.seconds, 2, expected)
         assert out.count(expected) == 1, out[-3000:]
 
 
