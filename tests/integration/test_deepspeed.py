@@ -26,7 +26,9 @@ def reference(tmp_path_factory):
 CASES = [
     # (id, strategy, nproc, micro, launcher, extra overrides)
     # zero2 and zero3 at world size 2 with accumulation: the architecture matrix (test_architectures.py) runs them.
-    # the deepspeed launcher for zero3 at world size 4; ZeRO runs through torchrun as well
+    # the deepspeed launcher for zero3 at world size 4; every other ZeRO run here goes through torchrun, whose
+    # start-up is two processes shorter (DeepSpeed's runner and launch.py each import torch and DeepSpeed); the
+    # deepspeed launcher with ZeRO-2 is run by test_frozen_rank.py, test_signals.py (launch.sh) and test_nodes.py
     ("zero1-ws2", "zero1", 2, 2, "torchrun", []),
     ("zero3-ws4", "zero3", 4, 1, "deepspeed", []),
     ("zero3_offload-ws2", "zero3_offload", 2, 2, "torchrun", []),
@@ -58,7 +60,7 @@ def test_users_deepspeed_json_matches_single_process(generated_data, reference, 
 
 
 def test_zero2_bf16_stays_within_bf16_tolerance(reference, tmp_path):
-    ok(launch("deepspeed", TEN + ["strategy=zero2", "train.micro_batch_size=2", "precision=bf16"], tmp_path, nproc=2))
+    ok(launch("torchrun", TEN + ["strategy=zero2", "train.micro_batch_size=2", "precision=bf16"], tmp_path, nproc=2))
     loss_err, _ = curve_errors(metrics(tmp_path), reference, same_steps=True)
     print(f"zero2 bf16 vs fp32: max relative loss error {loss_err:.2e}")
     # bf16 keeps 8 mantissa bits (~4e-3 relative per rounding) in the forward and backward passes, compounding
@@ -78,8 +80,8 @@ def zero_runs(tmp_path_factory):
     def get(strategy):
         if strategy not in runs:
             run_dir = tmp_path_factory.mktemp(strategy)
-            ok(launch("deepspeed", RESUME_BASE + [f"strategy={strategy}", "checkpoint.every=4",
-                                                  "checkpoint.keep_last=0"], run_dir, nproc=2))
+            ok(launch("torchrun", RESUME_BASE + [f"strategy={strategy}", "checkpoint.every=4",
+                                                 "checkpoint.keep_last=0"], run_dir, nproc=2))
             assert (run_dir / "checkpoints" / "step_4" / "COMPLETE.json").is_file()
             runs[strategy] = run_dir
         return runs[strategy]
@@ -95,7 +97,7 @@ def test_zero_resume_is_exact_and_exports(zero_run, tmp_path):
     strategy, first = zero_run
     (tmp_path / "checkpoints").mkdir()
     os.symlink(first / "checkpoints" / "step_4", tmp_path / "checkpoints" / "step_4")
-    proc = launch("deepspeed", RESUME_BASE + [f"strategy={strategy}", "checkpoint.resume=auto"], tmp_path, nproc=2)
+    proc = launch("torchrun", RESUME_BASE + [f"strategy={strategy}", "checkpoint.resume=auto"], tmp_path, nproc=2)
     ok(proc)
     assert "resumed from" in proc.stdout + proc.stderr
     a = {r["step"]: (r["loss"], r["grad_norm"]) for r in metrics(first)}
@@ -134,8 +136,8 @@ def test_zero_resume_on_another_data_parallel_size(zero_runs, tmp_path, strategy
     """The trainer converts the ZeRO checkpoint to DeepSpeed's universal format and loads it at the new size: one
     conversion per ZeRO stage, one growing and one shrinking the data-parallel size."""
     first = zero_runs(strategy)
-    proc = launch("deepspeed", RESUME_BASE + [f"strategy={strategy}", "export.hf_at_end=false",
-                                              f"checkpoint.resume={first / 'checkpoints' / 'step_4'}"],
+    proc = launch("torchrun", RESUME_BASE + [f"strategy={strategy}", "export.hf_at_end=false",
+                                             f"checkpoint.resume={first / 'checkpoints' / 'step_4'}"],
                   tmp_path, nproc=nproc)
     ok(proc)
     assert f"saved at world size 2, now {nproc}" in proc.stdout + proc.stderr
@@ -155,7 +157,7 @@ def test_zero3_loads_pretrained_weights_partitioned(generated_data, pretrained_r
     import json
 
     common = pretrained_overrides(generated_data)
-    proc = launch("deepspeed", common + ["strategy=zero3", "strategy.stage3_param_persistence_threshold=0"],
+    proc = launch("torchrun", common + ["strategy=zero3", "strategy.stage3_param_persistence_threshold=0"],
                   tmp_path / "zero3", nproc=2)
     ok(proc)
     loss_err, norm_err = curve_errors(metrics(tmp_path / "zero3"), metrics(pretrained_reference), same_steps=True)

@@ -179,7 +179,7 @@ def test_fsdp_loads_pretrained_weights_shard_by_shard(generated_data, pretrained
         assert 0.45 < share < 0.55, (rank["rank"], share)  # this rank's shard: half the model
 
 
-@pytest.mark.parametrize("launcher,strategy", [("torchrun", "fsdp"), ("deepspeed", "zero3")])
+@pytest.mark.parametrize("launcher,strategy", [("torchrun", "fsdp"), ("torchrun", "zero3")])
 def test_uneven_validation_shares_evaluate_like_one_process(tmp_path, launcher, strategy):
     """5 validation sequences over 2 ranks in micro-batches of 2: 2 forwards on one rank, 1 on the other, which
     left the sharded layouts waiting in a parameter gather; every rank now runs as many (the extra row without
