@@ -34,6 +34,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402
+from trainer.launch import ds_ops  # noqa: E402
 
 FULL = dict(model="tiny", precision="fp32", seq_len=256, global_batch=8, micro_batch=2, warmup=5, steps=30)
 QUICK = dict(model="tiny", precision="fp32", seq_len=32, global_batch=4, micro_batch=1, warmup=2, steps=4)
@@ -205,6 +206,8 @@ def worker(path: str) -> int:
 
     spec = json.load(open(path))
     row = spec["row"]
+    if row.startswith("zero"):  # DeepSpeed's ops from this venv's build folder, as Tessera's ranks load them
+        ds_ops.ensure_ready()
     try:
         if spec["side"] == "hf":
             spec["step_ends"] = hf_side(spec)

@@ -5,14 +5,14 @@ first time a ZeRO run starts: minutes of compilation on a small machine. launch.
 environment (`python -m trainer.ds_ops build`), and a run that still has to build it says so, with progress.
 
 Each virtual environment builds its ops in its own folder, <venv>/torch_extensions/<py_cu tag>/<op>
-(TORCH_EXTENSIONS_DIR, when set, wins; outside a venv torch's ~/.cache/torch_extensions/<py_cu tag>/<op>): ops built
-from two installs of DeepSpeed in one shared folder made each ZeRO run of the other rebuild them.
+(TORCH_EXTENSIONS_DIR, when set, wins; outside a venv torch's ~/.cache/torch_extensions/<py_cu tag>/<op>): ops
+built from two installs of DeepSpeed in one shared folder made each ZeRO run of the other rebuild them.
 
-torch builds an extension under a file lock (`FileBaton`: a file named `lock` in the extension's build folder). A build that was interrupted leaves
-that file behind and every later run waits on it forever. Before DeepSpeed can block on it, a lock that no live
-process is building under (no process works in or names the folder, and neither the lock nor anything in the
-folder changed for TESSERA_BUILD_LOCK_GRACE_S seconds, default 60) is reported as a stale lock: exit 2, naming
-the file to remove.
+torch builds an extension under a file lock (`FileBaton`: a file named `lock` in the extension's build folder). A
+build that was interrupted leaves that file behind and every later run waits on it forever. Before DeepSpeed can
+block on it, a lock that no live process is building under (no process works in or names the folder, and neither the
+lock nor anything in the folder changed for TESSERA_BUILD_LOCK_GRACE_S seconds, default 60) is reported as a stale
+lock: exit 2, naming the file to remove.
 """
 from __future__ import annotations
 
