@@ -13,6 +13,10 @@ import sys
 if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
     del sys.path[0]
 
+from tessera import import_time  # noqa: E402
+
+import_time.pause_collector()  # until the imports below are done: tessera/import_time.py
+
 from trainer.run.cli import compose_or_exit, hydra_flags, sanitize_argv, user_errors
 
 sys.argv = sanitize_argv(sys.argv)
@@ -28,6 +32,8 @@ from trainer.config.schema import register_configs, to_object  # noqa: E402
 from trainer.launch import sweep  # noqa: E402
 from trainer.run import build as B  # noqa: E402
 from trainer.run.loop import export_final, fit  # noqa: E402
+
+import_time.freeze_imported()
 
 
 def train(dcfg) -> None:

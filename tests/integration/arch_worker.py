@@ -303,4 +303,11 @@ def collect(out, jobs, world: int) -> dict:
 
 
 if __name__ == "__main__":
+    from tessera import import_time
+
+    import_time.pause_collector()  # as trainer/main.py: the imports frozen (tessera/import_time.py)
+    from trainer.run import build as _build  # noqa: F401 - torch, transformers, the strategies
+    from trainer.run import loop as _loop  # noqa: F401
+
+    import_time.freeze_imported()
     sys.exit(main())

@@ -33,7 +33,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 MAIN = os.path.join(REPO, "trainer", "main.py")
 sys.path.insert(0, REPO)
 
-from trainer.checkpoint import manager as checkpoint
+from tessera import import_time  # noqa: E402
+
+import_time.pause_collector()  # trainer/main.py freezes the imports (tessera/import_time.py)
+from trainer.checkpoint import manager as checkpoint  # noqa: E402
 
 from trainer.launch import restarts  # noqa: E402
 

@@ -23,6 +23,8 @@ import sys
 import tempfile
 from typing import List
 
+from tessera import import_time
+
 from trainer.launch.torchrun import Forwarder, children, outcome_after_stop
 from trainer.launch import ds_ops, restarts
 
@@ -89,8 +91,9 @@ def with_node_hostfile(argv: List[str], folder: str) -> List[str]:
 
 
 def main(argv) -> int:
-
+    import_time.pause_collector()  # torch and DeepSpeed's op builder: tessera/import_time.py
     code = prepare_ops()
+    import_time.freeze_imported()
     if code:
         return code
     with tempfile.TemporaryDirectory(prefix="tessera-ds-") as folder:

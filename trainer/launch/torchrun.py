@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 
+from tessera import import_time
 from tessera.errors import EXIT_FAULT, EXIT_INTERRUPTED
 from trainer.launch import restarts
 
@@ -124,8 +125,10 @@ def _with_default_signals(argv):
 
 
 def main(argv) -> int:
+    import_time.pause_collector()  # torch's agent: tessera/import_time.py
     from torch.distributed.run import parse_args
 
+    import_time.freeze_imported()
     args = parse_args(_with_default_signals(argv))
     os.environ["TESSERA_LAUNCHER_PID"] = str(os.getpid())  # the ranks inherit it: they watch this process
     # After a rank failed, the others get this long to end before they are killed (a SIGSTOPped rank never ends

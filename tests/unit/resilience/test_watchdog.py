@@ -113,6 +113,9 @@ def test_a_silent_peer_is_found_in_any_phase_and_an_ended_one_is_not(tmp_path):
             time.sleep(0.4)
             silent = a.silent_peers()
         assert [s["rank"] for s in silent] == [1] and silent[0]["pid"] > 0, silent
+        # Stopped first: armed by a finished step, a's thread would report the silent b and end this process
+        # (os._exit(4) in the test runner's worker).
+        a.close()
         assert a.where() == "in the start-up" and (a.finished_step(4) or a.where()) == "during step 5"
     finally:
         for dog in (a, b, c):

@@ -14,9 +14,7 @@ import time
 from typing import List, Optional
 
 from tessera.errors import TesseraError
-from trainer.observe.parity import output
 from trainer.observe.parity.compare import Comparison, compare, tolerance_for
-from trainer.observe.parity.fit import too_big
 from trainer.observe.parity.runs import run_side
 from trainer.observe.parity.shrink import shrink
 from trainer.observe.parity.sides import LAUNCHERS, ParityError, Side, check_pair, forced, make_side
@@ -85,6 +83,9 @@ def prepare(args) -> tuple:
 
 def run(args) -> int:
     a, b, cfg_a, cfg_b, out_dir = prepare(args)
+    # torch (the planner's estimate): after the options and sides are checked, so bad input ends in a second
+    from trainer.observe.parity.fit import too_big
+
     notes: List[str] = [f"{args.steps} steps, every one logged; no evaluation, export or checkpoint"]
     extra = forced(args.steps)
     big = None if args.shrink else too_big([("A", cfg_a, a.nproc), ("B", cfg_b, b.nproc)])
@@ -107,6 +108,8 @@ def run(args) -> int:
 
 
 def report(comparison: Comparison, a: Side, b: Side, notes: List[str], out_dir: str) -> None:
+    from trainer.observe.parity import output  # matplotlib: only once there is something to plot
+
     written = output.write_all(out_dir, comparison, a, b, notes)
     print("\n".join(output.table(comparison)))
     print(output.verdict(comparison, a, b))
