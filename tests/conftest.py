@@ -9,6 +9,7 @@ TESSERA_SHARED_DATA overrides the shared folder's location; `TESSERA_SHARED_DATA
 what runs without it (only the [real] extras skip)."""
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from contextlib import contextmanager
@@ -285,3 +286,10 @@ def pytest_terminal_summary(terminalreporter):
     out = os.environ.get("TESSERA_CATALOGUE_OUT")
     if out:
         Path(out).write_text(text + "\n")
+
+
+def pytest_collection_finish(session):
+    """The test modules' imports (torch, transformers, DeepSpeed) frozen out of the cyclic collector's walks, as
+    trainer/main.py does for a run (tessera/import_time.py): every later collection in this worker walks only
+    what the tests allocate."""
+    gc.freeze()

@@ -6,7 +6,9 @@ environment (`python -m trainer.ds_ops build`), and a run that still has to buil
 
 Each virtual environment builds its ops in its own folder, <venv>/torch_extensions/<py_cu tag>/<op>
 (TORCH_EXTENSIONS_DIR, when set, wins; outside a venv torch's ~/.cache/torch_extensions/<py_cu tag>/<op>): ops
-built from two installs of DeepSpeed in one shared folder made each ZeRO run of the other rebuild them.
+built from two installs of DeepSpeed in one shared folder made each ZeRO run of the other rebuild them. The ops
+are built by the environment's own ninja (first on PATH), whichever shell or launcher started the run: two ninja
+versions hash the build commands differently and rebuild each other's ops.
 
 torch builds an extension under a file lock (`FileBaton`: a file named `lock` in the extension's build folder). A
 build that was interrupted leaves that file behind and every later run waits on it forever. Before DeepSpeed can
@@ -82,6 +84,21 @@ def use_environment_root() -> None:
     root = None if os.environ.get("TORCH_EXTENSIONS_DIR") else environment_root()
     if root:
         os.environ["TORCH_EXTENSIONS_DIR"] = root
+    use_environment_ninja()
+
+
+def use_environment_ninja() -> None:
+    """The environment's own ninja first on PATH (torch runs `ninja` from PATH), as an activated venv has it.
+    DeepSpeed installs pip's ninja (1.13) into the environment and the system may have another (Debian's 1.11): the
+    two hash a build command differently, so an op last built by one is rebuilt by the other (measured: every
+    2-rank ZeRO-2 launch 34 s instead of 7.5 s while launch.sh, whose PATH starts with the venv, and a shell's
+    torchrun took turns; a test suite's ZeRO runs rebuilt it for the same reason)."""
+    bin_dir = os.path.dirname(sys.executable)
+    if not os.access(os.path.join(bin_dir, "ninja"), os.X_OK):
+        return
+    parts = [p for p in os.environ.get("PATH", "").split(os.pathsep) if p]
+    if parts[:1] != [bin_dir]:
+        os.environ["PATH"] = os.pathsep.join([bin_dir] + [p for p in parts if p != bin_dir])
 
 
 def extensions_root() -> str:

@@ -3,6 +3,7 @@ without a real build or launch."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -192,6 +193,7 @@ def test_each_virtual_environment_builds_its_ops_in_its_own_folder(monkeypatch, 
     """Two venvs sharing torch's default folder rebuilt each other's DeepSpeed op at every ZeRO run (minutes):
     in a venv the ops live under <venv>/torch_extensions/<tag>; a TORCH_EXTENSIONS_DIR the user set wins."""
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setenv("PATH", os.environ.get("PATH", ""))  # restored after the test (the environment's ninja)
     monkeypatch.setattr(sys, "prefix", str(tmp_path / "venv"))
     monkeypatch.setattr(sys, "base_prefix", "/usr")
     (tmp_path / "venv").mkdir()
@@ -206,3 +208,27 @@ def test_each_virtual_environment_builds_its_ops_in_its_own_folder(monkeypatch, 
     monkeypatch.setattr(sys, "base_prefix", sys.prefix)  # not a venv: torch's own default
     ds_ops.use_environment_root()
     assert "TORCH_EXTENSIONS_DIR" not in os.environ
+
+
+def test_ops_are_built_by_the_environments_own_ninja(monkeypatch, tmp_path):
+    """pip's ninja (DeepSpeed's dependency, in the venv) and a system ninja hash build commands differently: an op
+    one built, the other rebuilt (34 s per ZeRO launch). Whatever PATH the run was started with, the environment's
+    ninja is found first; without one in the environment, PATH is left alone."""
+    venv_bin = tmp_path / "venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    system_bin = tmp_path / "usr" / "bin"
+    system_bin.mkdir(parents=True)
+    for folder in (venv_bin, system_bin):
+        (folder / "ninja").write_text("#!/bin/sh\n")
+        (folder / "ninja").chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(venv_bin / "python"))
+    monkeypatch.setenv("PATH", os.pathsep.join([str(system_bin), str(venv_bin), "/bin"]))
+    ds_ops.use_environment_ninja()
+    assert shutil.which("ninja") == str(venv_bin / "ninja")
+    assert os.environ["PATH"].split(os.pathsep) == [str(venv_bin), str(system_bin), "/bin"]
+    ds_ops.use_environment_ninja()  # once is enough: nothing added twice
+    assert os.environ["PATH"].split(os.pathsep) == [str(venv_bin), str(system_bin), "/bin"]
+    (venv_bin / "ninja").unlink()
+    monkeypatch.setenv("PATH", os.pathsep.join([str(system_bin), "/bin"]))
+    ds_ops.use_environment_ninja()
+    assert os.environ["PATH"] == os.pathsep.join([str(system_bin), "/bin"])
