@@ -305,9 +305,7 @@ def collect(out, jobs, world: int) -> dict:
 if __name__ == "__main__":
     from tessera import import_time
 
-    import_time.pause_collector()  # as trainer/main.py: the imports frozen (tessera/import_time.py)
-    from trainer.run import build as _build  # noqa: F401 - torch, transformers, the strategies
-    from trainer.run import loop as _loop  # noqa: F401
-
-    import_time.freeze_imported()
+    with import_time.imports_frozen():  # as trainer/main.py (tessera/import_time.py)
+        from trainer.run import build as _build  # noqa: F401 - torch, transformers, the strategies
+        from trainer.run import loop as _loop  # noqa: F401
     sys.exit(main())

@@ -2,8 +2,11 @@
 still imports for whoever uses it (the experiment trackers)."""
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+REPO = Path(__file__).resolve().parents[2]
 
 CHECK = """
 import sys, time
@@ -57,7 +60,7 @@ def test_the_entry_freezes_what_it_imported_and_collects_what_comes_after():
     """trainer/main.py pauses the cyclic collector for its imports and freezes them (tessera/import_time.py): the
     hundreds of thousands of objects of torch and transformers are out of every later collection's walk, and
     the collector runs again for what the run allocates."""
-    proc = subprocess.run([sys.executable, "-c", FROZEN], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", FROZEN], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     enabled, frozen, tracked = next(line.split()[1:] for line in proc.stdout.splitlines()
                                     if line.startswith("RESULT "))
@@ -74,6 +77,9 @@ assert not gc.isenabled()
 import json, email.parser  # some imports
 import_time.freeze_imported()
 assert gc.isenabled() and gc.get_freeze_count() > 0
+with import_time.imports_frozen():
+    assert not gc.isenabled()
+assert gc.isenabled()
 class Node: pass
 a, b = Node(), Node(); a.other, b.other = b, a  # a cycle allocated after the freeze
 del a, b

@@ -91,9 +91,8 @@ def with_node_hostfile(argv: List[str], folder: str) -> List[str]:
 
 
 def main(argv) -> int:
-    import_time.pause_collector()  # torch and DeepSpeed's op builder: tessera/import_time.py
-    code = prepare_ops()
-    import_time.freeze_imported()
+    with import_time.imports_frozen():  # torch and DeepSpeed's op builder: tessera/import_time.py
+        code = prepare_ops()
     if code:
         return code
     with tempfile.TemporaryDirectory(prefix="tessera-ds-") as folder:

@@ -8,8 +8,6 @@ from tessera import import_time
 
 if __name__ == "__main__":
     sys.argv[0] = "deepspeed"  # the runner's usage line names the command users know
-    import_time.pause_collector()
-    from deepspeed.launcher.runner import main  # what `python -m deepspeed.launcher.runner` runs
-
-    import_time.freeze_imported()
+    with import_time.imports_frozen():
+        from deepspeed.launcher.runner import main  # what `python -m deepspeed.launcher.runner` runs
     main()

@@ -77,10 +77,10 @@ def environment_root() -> Optional[str]:
 
 
 def use_environment_root() -> None:
-    """Build and load DeepSpeed's ops in this venv's own folder unless TORCH_EXTENSIONS_DIR says otherwise (the
-    processes this one starts inherit it). torch's default folder is shared by every environment of the user, and
-    an op built from another install's DeepSpeed (another clone or venv) does not match this one's: each ZeRO run
-    rebuilt it for minutes, alternately for each environment."""
+    """Build and load DeepSpeed's ops in this venv's own folder unless TORCH_EXTENSIONS_DIR says otherwise, with
+    this venv's ninja (use_environment_ninja); the processes this one starts inherit both. torch's default folder
+    is shared by every environment of the user, and an op built from another install's DeepSpeed (another clone or
+    venv) does not match this one's: each ZeRO run rebuilt it for minutes, alternately for each environment."""
     root = None if os.environ.get("TORCH_EXTENSIONS_DIR") else environment_root()
     if root:
         os.environ["TORCH_EXTENSIONS_DIR"] = root

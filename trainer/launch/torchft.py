@@ -60,12 +60,11 @@ def start_lighthouse(min_replicas: int):
 
 
 def main(argv) -> int:
-    import_time.pause_collector()  # tessera/import_time.py
-    # hydra and torch: only for a launch, not for this module's constants
-    from trainer.launch.choose import compose
-    from trainer.parallel.replica_groups import LIGHTHOUSE_ENV, lighthouse_address
+    with import_time.imports_frozen():  # tessera/import_time.py
+        # hydra and torch: only for a launch, not for this module's constants
+        from trainer.launch.choose import compose
+        from trainer.parallel.replica_groups import LIGHTHOUSE_ENV, lighthouse_address
 
-    import_time.freeze_imported()
     nproc_flag, nproc, script, overrides = argv[0], argv[1], argv[2], argv[3:]
     if nproc_flag != "--nproc_per_node":
         raise SystemExit("usage: python -m trainer.launch.torchft --nproc_per_node N trainer/main.py [overrides]")

@@ -125,10 +125,9 @@ def _with_default_signals(argv):
 
 
 def main(argv) -> int:
-    import_time.pause_collector()  # torch's agent: tessera/import_time.py
-    from torch.distributed.run import parse_args
+    with import_time.imports_frozen():  # torch's agent: tessera/import_time.py
+        from torch.distributed.run import parse_args
 
-    import_time.freeze_imported()
     args = parse_args(_with_default_signals(argv))
     os.environ["TESSERA_LAUNCHER_PID"] = str(os.getpid())  # the ranks inherit it: they watch this process
     # After a rank failed, the others get this long to end before they are killed (a SIGSTOPped rank never ends
