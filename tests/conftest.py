@@ -10,8 +10,11 @@ what runs without it (only the [real] extras skip)."""
 from __future__ import annotations
 
 import gc
+import json
 import os
+import resource
 import sys
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -293,3 +296,26 @@ def pytest_collection_finish(session):
     trainer/main.py does for a run (tessera/import_time.py): every later collection in this worker walks only
     what the tests allocate."""
     gc.freeze()
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU of this worker and of every process it started and waited for (ranks included)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """TESSERA_TEST_CPU_OUT=<file>: one JSON line per test with its wall and CPU seconds (set-up, call and
+    teardown; the processes it launched included). The suite's two cores are its limit, so CPU, not wall, says
+    which tests make it long (docs/testing.md)."""
+    out = os.environ.get("TESSERA_TEST_CPU_OUT")
+    if not out:
+        yield
+        return
+    wall, cpu = time.monotonic(), _cpu_seconds()
+    yield
+    record = {"test": item.nodeid, "wall_s": round(time.monotonic() - wall, 2),
+              "cpu_s": round(_cpu_seconds() - cpu, 2)}
+    with open(out, "a") as fh:
+        fh.write(json.dumps(record) + "\n")

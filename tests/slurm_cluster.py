@@ -89,6 +89,9 @@ SlurmctldHost={host}(127.0.0.1)
 SlurmctldPort={ports[0]}
 AuthType=auth/munge
 CredType=cred/munge
+# A requeued job waits cred_expire seconds before it may start again (default 120: most of the requeue test's time);
+# 20 s still covers a step launch on a loaded machine (the credential is checked when slurmd starts the step).
+AuthInfo=cred_expire=20
 SlurmUser=root
 SlurmdUser=root
 StateSaveLocation={root}/state

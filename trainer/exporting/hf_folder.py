@@ -2,8 +2,10 @@
 tensor by tensor from a sharded one. Non-finite weights are refused (a diverged model is never exported)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import sys
 
 import torch
 
@@ -101,6 +103,24 @@ def raise_non_finite(names) -> None:
                           f"exported; export an earlier checkpoint")
 
 
+@contextlib.contextmanager
+def _unwrap_without_importing_deepspeed():
+    """save_pretrained unwraps the model with accelerate's extract_model_from_parallel, which imports DeepSpeed
+    (0.4 s of CPU per export here) to ask whether the model is its engine. In a process that has not imported
+    DeepSpeed it cannot be, so accelerate is told DeepSpeed is absent for that call; ZeRO runs (DeepSpeed
+    imported) are unchanged."""
+    other = sys.modules.get("accelerate.utils.other")
+    if "deepspeed" in sys.modules or other is None or not hasattr(other, "is_deepspeed_available"):
+        yield
+        return
+    available = other.is_deepspeed_available
+    other.is_deepspeed_available = lambda: False
+    try:
+        yield
+    finally:
+        other.is_deepspeed_available = available
+
+
 def write_hf_folder(model, tokenizer, out_dir: str, state_dict=None, dtype=None) -> None:
     """`model` (or `state_dict`) through save_pretrained. `dtype` (fp32 / bf16 / fp16 or a torch dtype; None: as
     they are): floating-point tensors are written in it (tied weights stay one tensor), and config.json's `dtype`
@@ -126,7 +146,8 @@ def write_hf_folder(model, tokenizer, out_dir: str, state_dict=None, dtype=None)
                 value = same[key]
             cast[name] = value
         state_dict = cast
-    model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
+    with _unwrap_without_importing_deepspeed():
+        model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
     if cast_to is not None:
         _stamp_config_dtype(tmp, cast_to)
     tokenizer.save_pretrained(tmp)
