@@ -71,7 +71,7 @@ ROWS = [  # the heavy rows first, so that they do not run last and alone
     Row("ddp sync=local_sgd every=3", "torchrun", 2, ["strategy=ddp", "sync=local_sgd", "sync.every=3"]),
     Row("ddp sync=diloco every=3", "torchrun", 2, ["strategy=ddp", "sync=diloco", "sync.every=3"]),
     # ZeRO through torchrun, a launcher it supports (the deepspeed launcher starts a second launcher process, seconds
-    # more per launch; test_deepspeed.py and test_lora.py run it)
+    # more per launch; test_deepspeed.py and test_launchers.py run it)
     Row("zero2 offload_optimizer=cpu", "torchrun", 2, ["strategy=zero2", "strategy.offload_optimizer=cpu"]),
     Row("zero3_offload", "torchrun", 2, ["strategy=zero3_offload"]),
 ]

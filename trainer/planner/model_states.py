@@ -1,7 +1,7 @@
 """Each strategy's per-rank model states (parameters, gradients, optimizer state, fp32 masters, buffers, host
 memory while loading) from the config alone: one function per strategy class, mapped in MODEL_STATES. The
 figures follow what the memory report (logging.memory_report=true, trainer/observe/) measures in real runs;
-tests/integration/test_plan_vs_measured.py compares them at world sizes 2 and 4."""
+tests/integration/test_plan_vs_measured.py compares them at world size 2 (and one process)."""
 from __future__ import annotations
 
 from trainer.parallel.sync import sync_state_bytes
