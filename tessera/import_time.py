@@ -5,8 +5,8 @@ and each collection of the oldest generation walks all of them again: during the
 training, at the end of the run and at interpreter exit (measured on a tiny run: 5.1-5.6 s of user CPU, 3.3-3.7 s
 with the collector paused during the imports and the imported objects frozen). `pause_collector()` first thing in
 a process Tessera starts and `freeze_imported()` once its imports are done (or `with imports_frozen():` around
-imports made in a function) move those objects out of the collector's sight (`gc.freeze`, as CPython's documentation suggests for a process's start-up); what the run
-creates later is collected as usual.
+imports made in a function) move those objects out of the collector's sight (`gc.freeze`, as CPython's
+documentation suggests for a process's start-up); what the run creates later is collected as usual.
 
 DeepSpeed's autotuner (run only by
 `deepspeed --autotuning`) imports mlflow at every `import deepspeed` when mlflow is installed, 1.5 s of CPU in

@@ -308,7 +308,8 @@ def _cpu_seconds() -> float:
 def pytest_runtest_protocol(item, nextitem):
     """TESSERA_TEST_CPU_OUT=<file>: one JSON line per test with its wall and CPU seconds (set-up, call and
     teardown; the processes it launched included). The suite's two cores are its limit, so CPU, not wall, says
-    which tests make it long (docs/testing.md)."""
+    which tests make it long (docs/testing.md). A child counts when it is reaped: one an earlier test left running
+    and that is reaped now counts here."""
     out = os.environ.get("TESSERA_TEST_CPU_OUT")
     if not out:
         yield

@@ -106,7 +106,7 @@ def raise_non_finite(names) -> None:
 @contextlib.contextmanager
 def _unwrap_without_importing_deepspeed():
     """save_pretrained unwraps the model with accelerate's extract_model_from_parallel, which imports DeepSpeed
-    (0.4 s of CPU per export here) to ask whether the model is its engine. In a process that has not imported
+    (about 0.35 s of CPU per export here) to ask whether the model is its engine. In a process that has not imported
     DeepSpeed it cannot be, so accelerate is told DeepSpeed is absent for that call; ZeRO runs (DeepSpeed
     imported) are unchanged."""
     other = sys.modules.get("accelerate.utils.other")
