@@ -22,6 +22,8 @@ from typing import Dict, Optional
 
 import pytest
 
+from tests import warm
+
 REPO = Path(__file__).resolve().parent.parent
 SHARED = Path(os.environ.get("TESSERA_SHARED_DATA") or REPO.parent / "shared" / "data")
 CONF_DIR = REPO / "conf"
@@ -307,7 +309,7 @@ def _cpu_seconds() -> float:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """TESSERA_TEST_CPU_OUT=<file>: one JSON line per test with its wall and CPU seconds (set-up, call and
-    teardown; the processes it launched included). The suite's two cores are its limit, so CPU, not wall, says
+    teardown; the processes it launched included, warm-started ones too). The suite's two cores are its limit, so CPU, not wall, says
     which tests make it long (docs/testing.md). A child counts when it is reaped: one an earlier test left running
     and that is reaped now counts here."""
     out = os.environ.get("TESSERA_TEST_CPU_OUT")
@@ -317,6 +319,6 @@ def pytest_runtest_protocol(item, nextitem):
     wall, cpu = time.monotonic(), _cpu_seconds()
     yield
     record = {"test": item.nodeid, "wall_s": round(time.monotonic() - wall, 2),
-              "cpu_s": round(_cpu_seconds() - cpu, 2)}
+              "cpu_s": round(_cpu_seconds() - cpu + warm.cpu_seconds(item.nodeid), 2)}
     with open(out, "a") as fh:
         fh.write(json.dumps(record) + "\n")

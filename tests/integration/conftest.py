@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 # factor of ~10 and still catches a wrong scale, a missed token or a stale gradient (>= 1e-4).
 FP32_TOL = 1e-6
 
+from tests.warm import base_env, warm_env  # noqa: E402
 from trainer.launch.choose import launcher_command, run_process_group  # noqa: E402
 from trainer.parallel.dims import free_port  # noqa: E402,F401 - tests import it from here
 
@@ -27,10 +27,14 @@ SMALL = ["model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "mod
          "logging.progress=false"]
 
 
-def launch(launcher: str, overrides, run_dir, nproc: int = 1, timeout: float = 300, env=None):
-    """Start trainer/main.py with `python`, `torchrun`, `torchrun-quiet` or `deepspeed`; the CompletedProcess."""
-    full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+def launch(launcher: str, overrides, run_dir, nproc: int = 1, timeout: float = 300, env=None, warm: bool = True):
+    """Start trainer/main.py with `python`, `torchrun`, `torchrun-quiet` or `deepspeed`; the CompletedProcess.
+    `warm`: the ranks start from the warm-start server (tests/warm.py; what differs from a cold start is listed
+    there); a test of the ranks' process tree, parents or SIGSTOP passes warm=False."""
+    full_env = base_env()
     full_env.update(env or {})
+    if warm:
+        full_env = warm_env(full_env, overrides)
     cmd = launcher_command(launcher, nproc) + list(overrides) + [f"hydra.run.dir={run_dir}"]
     return run_process_group(cmd, env=full_env, timeout=timeout)
 

@@ -23,6 +23,7 @@ import pytest
 
 from tests.archs import ARCHITECTURES, FP16_LAYOUTS, LAYOUTS, REFUSED, VOCAB, make_model_folder
 from tests.integration import arch_worker as W
+from tests.warm import base_env, warm_env
 from tests.integration.conftest import (FP32_TOL, REPO, VENV_BIN, curve_errors, free_port, read_jsonl, rel_err,
                                         run_process_group)
 
@@ -86,7 +87,8 @@ class Matrix:
             cmd += [str(REPO / "tests" / "integration" / "arch_worker.py"), "--layout", layout,
                     "--models", str(self.models), "--out", str(out), "--jobs", ",".join(todo)]
             try:
-                proc = run_process_group(cmd, env=_env(), timeout=LAUNCH_TIMEOUT_S)
+                proc = run_process_group(cmd, env=warm_env(base_env(), W.LAYOUTS[layout][1]),
+                                         timeout=LAUNCH_TIMEOUT_S)
                 why = _death(proc)
                 logs.append(f"$ {' '.join(cmd)}\nexit {proc.returncode}\nSTDOUT:\n{proc.stdout[-6000:]}\n"
                             f"STDERR:\n{proc.stderr[-6000:]}")
@@ -136,12 +138,6 @@ def _death(proc) -> str:
     errors = [x.strip() for x in lines if re.match(r"^\w*(Error|Exception|Interrupt)\b.*:", x.strip())]
     what = f"exit {proc.returncode}" + (f" (rank exit codes {', '.join(codes)})" if codes else "")
     return what + (f"; {errors[-1][:300]}" if errors else "")
-
-
-def _env() -> dict:
-    import os
-
-    return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
 
 
 @pytest.fixture(scope="session")

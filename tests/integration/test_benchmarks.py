@@ -12,13 +12,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.warm import base_env, warm_env
+
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "benchmarks"
 
 
 def _run(args, timeout: float, expect: int = 0):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    env = dict(base_env(), PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    env = warm_env(env)  # the runs the scripts start (tests/warm.py); their step times do not include start-up
     proc = subprocess.run([sys.executable, *map(str, args)], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == expect, \

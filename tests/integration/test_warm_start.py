@@ -1,0 +1,139 @@
+"""The suite's warm starts (tests/warm.py, tests/warm_start/): a rank forked from the warm-start server runs the
+same training as a cold one (the same numbers, output and exit code), ends as its own process is ended (SIGTERM
+reaches the trainer, SIGKILL kills the copy), and an environment the server was not started with starts cold."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests import warm
+from tests.integration.conftest import REPO, SMALL, launch, launcher_command, metrics, ok, run_process_group
+
+STEPS = SMALL + ["train.max_steps=3", "train.log_every=1", "eval.every=0", "checkpoint.at_end=false"]
+
+
+def _served(run_dir) -> list:
+    return [r for r in warm.served() if f"hydra.run.dir={run_dir}" in r["argv"]]
+
+
+@pytest.mark.parametrize("launcher,strategy,nproc", [("python", "single", 1), ("torchrun", "ddp", 2)])
+def test_a_warm_run_logs_the_numbers_of_a_cold_run(tmp_path, launcher, strategy, nproc):
+    runs = {}
+    for mode in ("cold", "warm"):
+        run_dir = tmp_path / mode
+        proc = launch(launcher, STEPS + [f"strategy={strategy}"], run_dir, nproc=nproc, warm=mode == "warm")
+        ok(proc)
+        runs[mode] = metrics(run_dir)
+        assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert len(_served(run_dir)) == (nproc if mode == "warm" else 0), warm.served()
+    keys = ("step", "loss", "grad_norm", "lr", "tokens")
+    assert [[r.get(k) for k in keys] for r in runs["warm"]] == [[r.get(k) for k in keys] for r in runs["cold"]]
+
+
+def test_a_failing_run_exits_with_its_code_and_message(tmp_path):
+    """A configuration error (heads that do not divide the width): the same exit code and message, warm as cold."""
+    results = {}
+    for mode in ("cold", "warm"):
+        proc = launch("python", SMALL + ["strategy=single", "model.num_heads=3", "model.num_kv_heads=3"],
+                      tmp_path / mode, warm=mode == "warm")
+        results[mode] = (proc.returncode, proc.stdout, proc.stderr.replace(str(tmp_path / mode), "RUN"))
+    assert results["warm"] == results["cold"], results
+    assert results["warm"][0] == 2 and "must be divisible by model.num_heads=3" in results["warm"][2], results
+
+
+def _start_long(run_dir) -> subprocess.Popen:
+    env = warm.warm_env(warm.base_env())
+    cmd = [sys.executable, str(REPO / "trainer" / "main.py")]
+    cmd += SMALL + ["train.max_steps=100000", "train.log_every=1", "eval.every=0", "checkpoint.every=0",
+                    "export.hf_at_end=false", f"hydra.run.dir={run_dir}"]
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def _wait_for_steps(proc, run_dir, steps: int = 2) -> None:
+    deadline = time.time() + 120
+    while not ((run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= steps):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.05)
+
+
+def _gone(pid: int, within: float = 30) -> bool:
+    deadline = time.time() + within
+    while time.time() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                if fh.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return True
+        except OSError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_sigterm_reaches_the_trainer_and_sigkill_kills_the_copy(tmp_path):
+    stopped = _start_long(tmp_path / "term")
+    try:
+        _wait_for_steps(stopped, tmp_path / "term")
+        os.kill(stopped.pid, signal.SIGTERM)  # the rank's own process: passed on to the copy, which saves
+        out, err = stopped.communicate(timeout=120)
+    finally:
+        stopped.kill()
+    assert stopped.returncode == 0, err[-3000:]
+    assert "stopped by SIGTERM at step" in out + err, (out + err)[-3000:]
+    assert (tmp_path / "term" / "checkpoints" / "latest").exists()
+
+    killed = _start_long(tmp_path / "kill")
+    try:
+        _wait_for_steps(killed, tmp_path / "kill")
+        copy, = [r["pid"] for r in _served(tmp_path / "kill")]
+        os.kill(killed.pid, signal.SIGKILL)
+        killed.communicate(timeout=60)
+    finally:
+        killed.kill()
+    assert killed.returncode == -signal.SIGKILL
+    assert _gone(copy), f"the copy {copy} outlived its rank's process"
+
+
+def test_an_environment_the_server_did_not_see_starts_cold(tmp_path):
+    """A variable the imports could read, set by the test itself: launch() starts cold; one the server was not
+    started with in a request that reaches it (the pytest process's environment changed since): declined."""
+    proc = launch("python", STEPS + ["strategy=single"], tmp_path / "own", env={"HF_HUB_DISABLE_TELEMETRY": "7"})
+    ok(proc)
+    assert not _served(tmp_path / "own") and not [r for r in warm.declined() if str(tmp_path / "own") in str(r)]
+
+    env = dict(warm.warm_env(warm.base_env()), HF_HUB_DISABLE_TELEMETRY="7")
+    cmd = launcher_command("python") + STEPS + ["strategy=single", f"hydra.run.dir={tmp_path / 'drifted'}"]
+    ok(run_process_group(cmd, env=env))
+    assert not _served(tmp_path / "drifted")
+    assert any("HF_HUB_DISABLE_TELEMETRY" in r["why"] and f"hydra.run.dir={tmp_path / 'drifted'}" in r["argv"]
+               for r in warm.declined()), warm.declined()
+    assert (tmp_path / "drifted" / "metrics.jsonl").exists()
+
+
+def test_zero_and_lora_runs_start_from_a_server_that_imported_deepspeed_and_peft():
+    assert warm.flavour(["strategy=zero2"]) == ("deepspeed",)
+    assert warm.flavour(["strategy=zero3", "peft=lora"]) == ("deepspeed", "peft")
+    assert warm.flavour(["strategy=zero2", "strategy=ddp", "peft=none"]) == ()
+    assert warm.flavour(["strategy=fsdp", "+peft=qlora"]) == ("peft",)
+
+
+def test_a_changed_environment_gets_a_server_of_its_own_and_the_oldest_retires(tmp_path, monkeypatch):
+    """The pytest process's own environment changes (a test sets a variable, an import does): its launches are
+    served warm by a new server; past MAX_SERVERS the least recently used one retires: it takes no more requests
+    and ends once its runs have."""
+    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    ok(launch("python", STEPS + ["strategy=single"], tmp_path / "first"))
+    assert [s for s in warm._servers if s.env.get("HF_HUB_DISABLE_TELEMETRY") == "1"]
+    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "2")
+    monkeypatch.setattr(warm, "MAX_SERVERS", len(warm._servers))
+    oldest = min(warm._servers, key=lambda s: s.used)
+    ok(launch("python", STEPS + ["strategy=single"], tmp_path / "second"))
+    assert len(_served(tmp_path / "first")) == 1 and len(_served(tmp_path / "second")) == 1
+    assert oldest not in warm._servers and len(warm._servers) == warm.MAX_SERVERS
+    oldest.proc.wait(timeout=30)  # retired: it ended by itself
+    assert not os.path.exists(oldest.path)
