@@ -471,7 +471,10 @@ def test_collective_timeout(tmp_path):
             deadline = time.time() + 60
             while os.path.exists(f"/proc/{first}") and _state(first) != "Z" and time.time() < deadline:
                 time.sleep(0.2)  # rank 0 waits train.collective_timeout_s, then exits
-            os.kill(stopped, signal.SIGKILL)  # a stopped rank would ignore the launcher's SIGTERM
+            try:
+                os.kill(stopped, signal.SIGKILL)  # a stopped rank would ignore the launcher's SIGTERM
+            except ProcessLookupError:
+                pass  # the launcher killed and reaped it already (trainer/launch/torchrun.py: stopped ranks)
             proc = reader.finish(60)
     finally:
         if stopped is not None:
