@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -48,8 +47,7 @@ def test_a_failing_run_exits_with_its_code_and_message(tmp_path):
 
 def _start_long(run_dir) -> subprocess.Popen:
     env = warm.warm_env(warm.base_env())
-    cmd = [sys.executable, str(REPO / "trainer" / "main.py")]
-    cmd += SMALL + ["train.max_steps=100000", "train.log_every=1", "eval.every=0", "checkpoint.every=0",
+    cmd = launcher_command("python") + SMALL + ["train.max_steps=100000", "train.log_every=1", "eval.every=0", "checkpoint.every=0",
                     "export.hf_at_end=false", f"hydra.run.dir={run_dir}"]
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -115,7 +113,8 @@ def test_an_environment_the_server_did_not_see_starts_cold(tmp_path):
     assert (tmp_path / "drifted" / "metrics.jsonl").exists()
 
 
-def test_zero_and_lora_runs_start_from_a_server_that_imported_deepspeed_and_peft():
+def test_the_flavour_follows_the_last_strategy_and_peft_overrides():
+    """Which server a launch goes to (tests/warm.py: flavour): ZeRO runs DeepSpeed's, LoRA/QLoRA runs peft's."""
     assert warm.flavour(["strategy=zero2"]) == ("deepspeed",)
     assert warm.flavour(["strategy=zero3", "peft=lora"]) == ("deepspeed", "peft")
     assert warm.flavour(["strategy=zero2", "strategy=ddp", "peft=none"]) == ()
