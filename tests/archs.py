@@ -190,7 +190,7 @@ def make_model_folder(name: str, path, seed: int = 0) -> Path:
 
 
 # ---- the matrix the integration test runs (tests/integration/test_architectures.py) and the docs show -----------
-LAYOUTS = ["single", "ddp", "zero2", "zero3", "fsdp", "tp", "pp"]
+LAYOUTS = ["single", "ddp", "zero2", "zero3", "fsdp", "tp", "pp", "cp"]
 # Architectures a layout refuses before training, with the words of the message that says why.
 REFUSED = {
     ("gpt2", "tp"): "gpt2 architecture has no tensor-parallel plan",

@@ -77,6 +77,12 @@ CASES = [
     ("packing-with-pipeline-parallelism", ["data.packing=documents", "strategy=pp"],
      "torchrun-quiet", 2, 2, "data.packing=documents is not available with pipeline parallelism"),
     # LoRA against the layout
+    ("cp-heads-not-divisible", ["strategy=fsdp", "strategy.cp=2", "model.num_kv_heads=1"], "torchrun-quiet", 2, 2,
+     "the llama model has 1 key/value heads, not divisible by strategy.tp x strategy.cp = 2"),
+    ("cp-ring-on-cpu", ["strategy=fsdp", "strategy.cp=2", "strategy.cp_impl=ring", "train.device=cpu"],
+     "torchrun-quiet", 2, 2, "strategy.cp_impl=ring needs CUDA attention kernels"),
+    ("cp-with-pipeline", ["strategy=pp_fsdp", "strategy.pp=2", "strategy.cp=2", "strategy.dp_shard=1"],
+     "torchrun-quiet", 4, 2, "strategy.cp=2 with pipeline parallelism (strategy.pp=2) is not supported"),
     ("lora-with-tensor-parallelism", ["peft=lora", "strategy=tp"], "torchrun-quiet", 2, 2,
      "peft=lora is not available with tensor or pipeline parallelism"),
     # data.follow: the file or folder records are appended to must exist.

@@ -123,6 +123,10 @@ class StrategyConfig:
     dp_shard: int = documented(1, "FSDP shard degree; -1 fills the ranks the other degrees leave.")
     tp: int = documented(1, "Tensor-parallel degree; -1 fills the ranks the other degrees leave.")
     pp: int = documented(1, "Pipeline stages (ranks); -1 fills the ranks the other degrees leave.")
+    cp: int = documented(1, "Context-parallel degree: each sequence split over this many ranks (torch-native "
+                            "layouts; FSDP shards over data x context ranks).")
+    cp_impl: str = documented("ulysses", "Context parallelism: ulysses (all-to-all from sequence to head shards "
+                                         "around any attention kernel) or ring (torch's ring attention; CUDA).")
     # Micro-batches per step (the pipeline's) = gradient accumulation.
     pp_schedule: str = documented("1f1b", "Pipeline schedule: gpipe, 1f1b, interleaved_1f1b, looped_bfs, "
                                           "interleaved_zb, zbv or dualpipev.")
@@ -390,6 +394,7 @@ CHOICES = {
     "train.on_nonfinite": ("stop", "skip"),
     "strategy.fault_tolerance": ("none", "torchft"),
     "strategy.comm_hook": ("none", "bf16", "fp16", "powersgd"),
+    "strategy.cp_impl": ("ulysses", "ring"),
     "sync.name": ("every_step", "local_sgd", "diloco"),
     "peft.name": ("none", "lora"),
     "peft.quantization": ("none", "nf4"),
@@ -487,6 +492,7 @@ RANGE_CHECKED_ELSEWHERE = {
     "strategy.dp_shard": "trainer.parallel.dims.ParallelDims.problems (a positive degree or -1)",
     "strategy.tp": "trainer.parallel.dims.ParallelDims.problems (a positive degree or -1)",
     "strategy.pp": "trainer.parallel.dims.ParallelDims.problems (a positive degree or -1)",
+    "strategy.cp": "trainer.parallel.dims.ParallelDims.problems (a positive degree)",
     "strategy.pp_split_points": "models.plans.split_problems (increasing layer indices)",
     "optim.betas": "validate (two numbers in [0, 1))",
 }

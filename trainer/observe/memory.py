@@ -18,6 +18,7 @@ import json
 import os
 from typing import Dict, List
 
+import torch
 import torch.distributed as dist
 
 from tessera.errors import one_line
@@ -39,6 +40,8 @@ class FirstStepProbe:
         optimizer = strategy.optimizer  # DeepSpeed: the client optimizer that ZeRO steps on its fp32 partitions
         self.undo = [optimizer.register_step_post_hook(lambda *_: self.snap("optimizer_step")).remove]
         self.undo += strategy.watch_memory(self.snap)
+        self.activations = SavedActivations(strategy.model)
+        self.undo.append(self.activations.close)
 
     def snap(self, point: str) -> None:
         try:  # runs inside the step: a failure to measure must never fail training
@@ -63,8 +66,47 @@ class FirstStepProbe:
         out = {c: self.peaks.get(c, 0) for c in CATEGORIES}
         out["model_states"] = sum(out[c] for c in MODEL_STATES)
         out["total"] = sum(out[c] for c in CATEGORIES)
+        out["activations"] = self.activations.peak  # not in total: not model state
         out.update(peak_point=dict(self.peak_point), points=self.snapshots, errors=self.errors)
         return out
+
+
+class SavedActivations:
+    """What autograd keeps for backward in each forward of the model during the first step: bytes of the distinct
+    storages packed by a saved-tensor hook, the model's parameters left out; `peak` is the largest forward's (one
+    micro-batch's activations). A strategy whose model never runs forward itself (pipeline stages) reports 0."""
+
+    def __init__(self, model):
+        self.peak, self.current, self.seen = 0, 0, set()
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self.hooks.__enter__()
+        self.handles = [model.register_forward_pre_hook(lambda *_: self._start()),
+                        model.register_forward_hook(lambda *_: self._end())] if model is not None else []
+
+    def _start(self) -> None:
+        self.current, self.seen = 0, set()
+
+    def _end(self) -> None:
+        self.peak = max(self.peak, self.current)
+
+    def _pack(self, t):
+        if not (t.is_leaf and t.requires_grad) and t.device.type != "meta":
+            try:
+                storage = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # a tensor subclass without one storage
+                return t
+            if storage.data_ptr() not in self.seen:
+                self.seen.add(storage.data_ptr())
+                self.current += storage.nbytes()
+        return t
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        if self.hooks is not None:
+            self.hooks.__exit__(None, None, None)
+            self.hooks = None
 
 
 def largest_layer_params(model_shapes: dict) -> int:
@@ -115,4 +157,5 @@ def _log_summary(ranks: list, step: int, path: str, log) -> None:
     log(f"model-state memory per rank (MiB, max over {world} ranks, peaks in step {step}): "
         f"params {_mib(top['params'])} | grads {_mib(top['grads'])} | optimizer "
         f"{_mib(top['optimizer'])} | fp32 master {_mib(top['master_params'])} | model states "
-        f"{_mib(top['model_states'])} | gathered params {_mib(top['gathered'])} -> {path}")
+        f"{_mib(top['model_states'])} | gathered params {_mib(top['gathered'])} | activations "
+        f"{_mib(max(r.get('activations', 0) for r in ranks))} -> {path}")

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from tessera.errors import ConfigError, FaultError, TesseraError
 
-DEGREE_KEYS = ("dp_replicate", "dp_shard", "tp", "pp")
+DEGREE_KEYS = ("dp_replicate", "dp_shard", "tp", "pp", "cp")
 
 
 @dataclass
@@ -27,6 +27,9 @@ class ParallelDims:
     tp: int
     pp: int
     world_size: int
+    # Context parallelism: each sequence split over `cp` ranks that hold the same batch (its ranks are not
+    # data-parallel: the global batch is split dp_size ways, not dp_size x cp).
+    cp: int = 1
     # torchft replica groups (strategy.fault_tolerance=torchft): this process group is group `replica_group` of
     # `replica_groups` equal ones, each taking its share of the global batch.
     replica_groups: int = 1
@@ -37,7 +40,7 @@ class ParallelDims:
         problems = cls.problems(strategy_cfg, world_size)
         if problems:
             raise ConfigError(problems)
-        degrees = {k: getattr(strategy_cfg, k) for k in DEGREE_KEYS}
+        degrees = {k: getattr(strategy_cfg, k, 1) for k in DEGREE_KEYS}
         fill = [k for k, v in degrees.items() if v == -1]
         if fill:
             known = 1
@@ -52,10 +55,12 @@ class ParallelDims:
 
     @staticmethod
     def problems(strategy_cfg, world_size: int) -> List[str]:
-        degrees = {k: getattr(strategy_cfg, k) for k in DEGREE_KEYS}
+        degrees = {k: getattr(strategy_cfg, k, 1) for k in DEGREE_KEYS}
         problems = []
         for k, v in degrees.items():
-            if v == 0 or v < -1:
+            if k == "cp" and v < 1:  # a sequence is split a chosen number of ways, never "what is left"
+                problems.append(f"strategy.cp={v} must be a positive degree (1: no context parallelism)")
+            elif v == 0 or v < -1:
                 problems.append(f"strategy.{k}={v} must be a positive degree or -1 (fill the remaining ranks)")
         fill = [k for k, v in degrees.items() if v == -1]
         if len(fill) > 1:
@@ -66,7 +71,7 @@ class ParallelDims:
         for v in degrees.values():
             if v != -1:
                 known *= v
-        desc = " x ".join(f"strategy.{k}={v}" for k, v in degrees.items())
+        desc = " x ".join(f"strategy.{k}={v}" for k, v in degrees.items() if k != "cp" or v != 1)
         if fill:
             if world_size % known:
                 problems.append(f"world size {world_size} is not divisible by the fixed degrees ({desc}); change "
@@ -106,10 +111,15 @@ class ParallelDims:
     def pp_enabled(self) -> bool:
         return self.pp > 1
 
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
     def mesh_shape(self):
-        """(names, sizes) of the mesh, outermost first: pp, dp_replicate, dp_shard, tp."""
-        names = ("pp", "dp_replicate", "dp_shard", "tp")
-        sizes = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+        """(names, sizes) of the mesh, outermost first: pp, dp_replicate, dp_shard, cp, tp (tensor-parallel
+        ranks innermost, the busiest links; the context ranks of one sequence next to them)."""
+        names = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+        sizes = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
         return names, sizes
 
     def build_mesh(self, device_type: str):
@@ -121,8 +131,7 @@ class ParallelDims:
     def dp_coordinates(self, rank: int):
         """(dp_rank, dp_size) of a rank of this process group under the mesh layout above (replica groups follow
         one another: group g holds data-parallel ranks g x group_dp_size onwards)."""
-        tp_idx_stride = self.tp
-        dp_rank = (rank // tp_idx_stride) % self.group_dp_size
+        dp_rank = (rank // (self.tp * self.cp)) % self.group_dp_size
         return self.replica_group * self.group_dp_size + dp_rank, self.dp_size
 
 
@@ -146,6 +155,13 @@ def env_spans_nodes() -> bool:
     DeepSpeed's LOCAL_SIZE)."""
     local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")
     return bool(local) and env_world_size() > int(local)
+
+
+def device_type(spec: str) -> str:
+    """The device type `select_device(spec)` will choose, without choosing it (checks before any group)."""
+    if spec == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(spec).type
 
 
 def select_device(spec: str) -> torch.device:

@@ -135,7 +135,7 @@ def _stage_share(cfg, dims, counts: Counts, info) -> tuple:
 def activation_bytes(cfg, info, dims, layers_here: int) -> float:
     """Estimate of what autograd keeps for one step on the heaviest rank (bytes)."""
     t = cfg.train
-    tokens = t.micro_batch_size * cfg.data.seq_len
+    tokens = t.micro_batch_size * cfg.data.seq_len / max(getattr(dims, "cp", 1), 1)  # a context rank's share
     h, hkv = info.hidden_size, info.hidden_size * info.num_kv_heads // max(info.num_heads, 1)
     inter = getattr(info.hf_config, "intermediate_size", None) or getattr(info.hf_config, "n_inner", None) or 4 * h
     a = element_bytes(cfg.precision.name)

@@ -283,7 +283,8 @@ def _open_logs(p: Prepared, strategy, facts: ModelFacts, device, rank: int) -> M
     accum = C.grad_accumulation_steps(cfg, p.dims.dp_size)
     logger.info(f"run dir {p.run_dir}")
     logger.info(f"model {cfg.model.kind} {cfg.model.name_or_path or ''} {facts.num_params / 1e6:.2f}M params | "
-                f"strategy {cfg.strategy.name} world {p.world_size} (dp {p.dims.dp_size}) | device {device} | "
+                f"strategy {cfg.strategy.name} world {p.world_size} (dp {p.dims.dp_size}"
+                f"{f', cp {p.dims.cp} {cfg.strategy.cp_impl}' if p.dims.cp_enabled else ''}) | device {device} | "
                 f"precision {cfg.precision.name}")
     adapters = strategy.adapters
     if adapters is not None:

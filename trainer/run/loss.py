@@ -18,6 +18,9 @@ def token_loss_sum(model, batch: dict, precision, tasks=None) -> torch.Tensor:
     with precision.autocast():
         if "position_ids" in batch:  # data.packing=documents: attention stays inside each packed document
             logits = PACKED_FORWARD(model, batch["input_ids"], batch["position_ids"]).logits
+        elif "shard_position_ids" in batch:  # strategy.cp: a shard of each sequence (documents kept apart there)
+            logits = model(input_ids=batch["input_ids"], position_ids=batch["shard_position_ids"],
+                           use_cache=False).logits
         else:
             logits = model(input_ids=batch["input_ids"], use_cache=False).logits
     labels = batch["labels"]

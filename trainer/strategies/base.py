@@ -21,6 +21,7 @@ from models.lora import full_tensors
 from trainer.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner
 from trainer.checkpoint.saved import SavedCheckpoint, groups_by_name
 from trainer.parallel.blocks import apply_activation_checkpointing, apply_compile
+from trainer.parallel.context_parallel import sharded_or_whole
 from trainer.parallel.grad_norm import clip_to_norm, grad_square_sum
 from trainer.run.loss import TaskLosses, to_device, token_loss_sum
 from trainer.strategies.capabilities import Capabilities
@@ -41,6 +42,8 @@ class Strategy:
         self.independent_replicas = cfg.sync.name != "every_step"
         self.tasks = None  # TaskLosses of the step in progress (data.kind=mixture; track_tasks)
         self.adapters = None  # peft=lora: models.lora.Adapters of the model (set before setup)
+        # strategy.cp > 1: trainer/parallel/context_parallel.ContextParallel (each rank a shard of every sequence)
+        self.cp = None
 
     # ---- checks before any process group starts (trainer/config/compat.py) ------------------------------
     @classmethod
@@ -117,7 +120,9 @@ class Strategy:
 
     def task_sums(self):
         """[task, (token-loss sum, target tokens)] of the last step over all data-parallel ranks (fp64), or None."""
-        return None if self.tasks is None else self.dp_sum(self.tasks.sums)
+        if self.tasks is None:
+            return None
+        return self.dp_sum(self.tasks.sums if self.cp is None else self.cp.total(self.tasks.sums))
 
     # ---- one optimizer step ---------------------------------------------------------------------------
     def accumulation_context(self, is_last_micro_batch: bool):
@@ -141,12 +146,12 @@ class Strategy:
             self.tasks.reset()
         for i, batch in enumerate(micro_batches):
             batch = {k: to_device(v, self.device) for k, v in batch.items()}
-            with self.accumulation_context(i == len(micro_batches) - 1):
+            with self.accumulation_context(i == len(micro_batches) - 1), sharded_or_whole(self.cp, batch) as batch:
                 ce_sum = token_loss_sum(self.model, batch, self.precision, self.tasks)
                 self.backward(ce_sum / num_target_tokens if grad_weight == 1.0 else
                               ce_sum * grad_weight / num_target_tokens)
             total += ce_sum.detach()
-        return total
+        return self.cp.total(total) if self.cp is not None else total
 
     def backward(self, loss: torch.Tensor) -> None:
         self.precision.scale(loss).backward()
@@ -174,8 +179,9 @@ class Strategy:
         total = torch.zeros((), device=self.device)
         for batch in micro_batches:
             batch = {k: v.to(self.device) for k, v in batch.items()}
-            total += token_loss_sum(self.model, batch, self.precision)
-        return total
+            with sharded_or_whole(self.cp, batch) as batch:
+                total += token_loss_sum(self.model, batch, self.precision)
+        return self.cp.total(total) if self.cp is not None else total
 
     # ---- collectives over the data-parallel ranks ------------------------------------------------------
     def dp_sum(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,8 @@ from trainer.checkpoint.saved import SavedCheckpoint
 from trainer.config import schema as C
 from trainer.data.datasets import IGNORE
 from trainer.parallel import fsdp as F2
+from trainer.parallel.context_parallel import ContextParallel, cp_problems
+from trainer.parallel.dims import device_type
 from trainer.parallel.grad_norm import clip_to_norm, world_square_sum
 from trainer.parallel.pipeline import (SCHEDULES, SPLIT_BACKWARD_SCHEDULES, StageModule, cut_stage, set_module,
                                        stage_indices, stages_per_rank)
@@ -58,7 +60,7 @@ class TorchNativeStrategy(Strategy):
     name = "fsdp"
     names = ("fsdp", "hsdp", "tp", "pp", "fsdp_tp", "pp_fsdp", "3d")
     # Pretrained weights come to load_initial_weights, each rank reading only its part.
-    capabilities = Capabilities(degrees=frozenset({"dp_replicate", "dp_shard", "tp", "pp"}), fsdp_options=True,
+    capabilities = Capabilities(degrees=frozenset({"dp_replicate", "dp_shard", "tp", "pp", "cp"}), fsdp_options=True,
                                 dtensor_parameters=True, loads_pretrained_weights=True,
                                 fault_tolerance=frozenset({"torchft"}))
 
@@ -70,7 +72,7 @@ class TorchNativeStrategy(Strategy):
         s = cfg.strategy
         plain = s.tp == 1 and s.pp == 1
         return replace(cls.capabilities,
-                       degrees=frozenset({"dp_replicate", "dp_shard"}) if s.name in _ALWAYS_FSDP else
+                       degrees=frozenset({"dp_replicate", "dp_shard", "cp"}) if s.name in _ALWAYS_FSDP else
                        cls.capabilities.degrees,
                        fault_tolerance=cls.capabilities.fault_tolerance if s.name in _ALWAYS_FSDP and plain else
                        frozenset(),
@@ -101,7 +103,8 @@ class TorchNativeStrategy(Strategy):
 
     @classmethod
     def fsdp_applies(cls, name: str, dims) -> bool:
-        return name in _ALWAYS_FSDP or dims.dp_size > 1
+        """FSDP shards over the data-parallel and the context ranks (which then sum their gradients)."""
+        return name in _ALWAYS_FSDP or dims.dp_size > 1 or dims.cp_enabled
 
     @classmethod
     def model_problems(cls, cfg, info, dims) -> List[str]:
@@ -131,6 +134,7 @@ class TorchNativeStrategy(Strategy):
                             f"tensor-parallel degree {dims.tp}, pipeline degree {dims.pp}): adapters hold a small "
                             f"fraction of the parameters, so shard the frozen base with strategy=fsdp or hsdp (or "
                             f"a ZeRO stage) instead")
+        problems += cp_problems(cfg, info, dims, device_type(cfg.train.device))
         if dims.pp > 1 and cfg.data.packing == "documents":
             problems.append(f"data.packing=documents is not available with pipeline parallelism (strategy.pp="
                             f"{dims.pp}): the stages pass hidden states only, not the packed position ids; use "
@@ -233,10 +237,13 @@ class TorchNativeStrategy(Strategy):
         self.pp_group = mesh["pp"].get_group() if d.pp_enabled else None
         self._dp_group = mesh["dp_replicate", "dp_shard"]._flatten().get_group() if d.dp_enabled else None
         self.pp_rank = mesh["pp"].get_local_rank() if d.pp_enabled else 0
+        # FSDP shards over the data and context ranks together (torchtitan's dp_shard_cp)
+        shard = mesh["dp_shard", "cp"]._flatten("dp_shard_cp") if d.cp_enabled else mesh["dp_shard"]
         if (d.dp_replicate_enabled or s.name == "hsdp") and not self.independent_replicas:
-            self.dp_mesh = mesh["dp_replicate", "dp_shard"]
+            self.dp_mesh = mesh["dp_replicate", "dp_shard_cp" if d.cp_enabled else "dp_shard"]
         else:
-            self.dp_mesh = mesh["dp_shard"]  # with local workers FSDP reduces inside the group only
+            self.dp_mesh = shard  # with local workers FSDP reduces inside the group only
+        self.cp = ContextParallel(mesh["cp"], s.cp_impl, self.device) if d.cp_enabled else None
         self._worker_group = self.dp_mesh.get_group() if self.independent_replicas and d.dp_size > 1 else None
 
     def _cut_stages(self, model) -> None:
@@ -272,6 +279,8 @@ class TorchNativeStrategy(Strategy):
         d, s = self.dims, self.cfg.strategy
         if d.tp_enabled:
             apply_tp(part, plans.tp_plan(part, d.tp), self.tp_mesh, s.sequence_parallel)
+        if self.cp is not None:
+            self.cp.apply(part)
         self.prepare_blocks(part)  # activation checkpointing, compile
         if self.fsdp_enabled:
             F2.apply_fsdp([b for _, b in decoder_blocks(part)], root, self.dp_mesh, self.param_dtype,

@@ -1,0 +1,104 @@
+"""Context parallelism's pieces without processes: the load-balanced shard of a sequence, packed documents from
+position ids, the degree in ParallelDims, and the checks before any process group starts (the attention across
+ranks is checked end to end: tests/integration/test_context_parallel.py)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import GPT2Config, LlamaConfig, Qwen3Config
+
+from trainer.parallel.context_parallel import cp_problems, document_ids, shard_order
+from trainer.parallel.dims import ParallelDims
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_each_rank_holds_an_early_and_a_late_chunk_and_together_every_token_once(cp):
+    order = shard_order(32, cp)
+    assert sorted(order.tolist()) == list(range(32))
+    chunk = 32 // (2 * cp)
+    for rank, mine in enumerate(order.view(cp, -1)):
+        assert mine[:chunk].tolist() == list(range(rank * chunk, (rank + 1) * chunk))
+        assert mine[chunk:].tolist() == list(range((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk))
+    # causal work per rank (keys before each query) is the same on every rank
+    work = [int((mine + 1).sum()) for mine in order.view(cp, -1)]
+    assert len(set(work)) == 1, work
+
+
+def test_documents_start_where_positions_do_not_go_on():
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2], [5, 6, 7, 8, 0, 1, 2, 3]])
+    assert document_ids(positions).tolist() == [[1, 1, 1, 2, 2, 3, 3, 3], [1, 1, 1, 1, 2, 2, 2, 2]]
+
+
+def _strategy(**kw):
+    base = dict(dp_replicate=1, dp_shard=-1, tp=1, pp=1, cp=1, cp_impl="ulysses", sequence_parallel=False)
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_the_context_degree_multiplies_the_world_but_not_the_data_parallel_ranks():
+    dims = ParallelDims.from_config(_strategy(cp=2, tp=2), 8)
+    assert (dims.dp_shard, dims.cp, dims.tp, dims.dp_size) == (2, 2, 2, 2)
+    assert dims.mesh_shape() == (("pp", "dp_replicate", "dp_shard", "cp", "tp"), (1, 1, 2, 2, 2))
+    # the 4 ranks of a data-parallel rank (2 context x 2 tensor) read the same batches
+    assert [dims.dp_coordinates(r)[0] for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert ParallelDims.problems(_strategy(cp=0), 2) == [
+        "strategy.cp=0 must be a positive degree (1: no context parallelism)"]
+    assert ParallelDims.problems(_strategy(cp=-1), 2)
+    assert "strategy.cp=3" in ParallelDims.problems(_strategy(cp=3), 4)[0]
+    # without context parallelism the messages read as before
+    assert "strategy.cp" not in ParallelDims.problems(_strategy(dp_shard=3), 4)[0]
+
+
+def _cfg(seq_len=64, packing="eos", **strategy):
+    return SimpleNamespace(strategy=_strategy(**strategy), data=SimpleNamespace(seq_len=seq_len, packing=packing))
+
+
+def _info(config):
+    config._attn_implementation = "sdpa"
+    return SimpleNamespace(hf_config=config)
+
+
+LLAMA = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=2, vocab_size=320)
+
+
+def test_heads_split_over_tensor_and_context_ranks():
+    info = _info(LlamaConfig(**LLAMA))
+    ok = ParallelDims(1, 1, 1, 1, 2, cp=2)
+    assert cp_problems(_cfg(cp=2), info, ok, "cpu") == []
+    problems = cp_problems(_cfg(cp=4), info, ParallelDims(1, 1, 1, 1, 4, cp=4), "cpu")
+    assert problems == ["strategy.cp=4 (cp_impl=ulysses) splits the key/value heads of each tensor-parallel rank "
+                        "over the context ranks: the llama model has 2 key/value heads, not divisible by "
+                        "strategy.tp x strategy.cp = 4; use a degree that divides it or strategy.cp_impl=ring"]
+    # 8 heads / tp 2 = 4 per rank, 2 key/value heads / tp 2 = 1: not divisible by cp 2
+    assert "key/value heads" in cp_problems(_cfg(cp=2, tp=2), info, ParallelDims(1, 1, 2, 1, 4, cp=2), "cpu")[0]
+
+
+def test_sequence_pipeline_and_positions_problems():
+    dims = ParallelDims(1, 1, 1, 2, 4, cp=2)
+    problems = cp_problems(_cfg(seq_len=30, cp=2, sequence_parallel=True), _info(LlamaConfig(**LLAMA)), dims, "cpu")
+    assert any("with pipeline parallelism (strategy.pp=2)" in p for p in problems)
+    assert any("strategy.sequence_parallel=true with strategy.cp" in p for p in problems)
+    assert any("data.seq_len=30 must be divisible by 2 x strategy.cp = 4" in p for p in problems)
+
+
+def test_ring_needs_cuda_and_plain_causal_attention():
+    dims = ParallelDims(1, 1, 1, 1, 2, cp=2)
+    sliding = _info(Qwen3Config(**LLAMA, use_sliding_window=True, sliding_window=16))
+    problems = cp_problems(_cfg(cp=2, cp_impl="ring", packing="documents"), sliding, dims, "cpu")
+    assert any("needs CUDA attention kernels" in p for p in problems)
+    assert any("data.packing=documents needs strategy.cp_impl=ulysses" in p for p in problems)
+    assert any("sliding window or logit soft-capping" in p for p in problems)
+    assert cp_problems(_cfg(cp=2, cp_impl="ring"), _info(LlamaConfig(**LLAMA)), dims, "cuda") == []
+    assert cp_problems(_cfg(cp_impl="ring"), _info(LlamaConfig(**LLAMA)), ParallelDims(1, 1, 1, 1, 1), "cpu") == [
+        "strategy.cp_impl=ring is read with strategy.cp > 1 only"]
+
+
+def test_learned_positions_split_too_and_unknown_kernels_are_refused():
+    dims = ParallelDims(1, 1, 1, 1, 2, cp=2)
+    gpt2 = GPT2Config(n_embd=64, n_head=4, n_layer=2, vocab_size=320)
+    assert cp_problems(_cfg(cp=2), _info(gpt2), dims, "cpu") == []  # GPT-2 takes position_ids
+    info = _info(LlamaConfig(**LLAMA))
+    info.hf_config._attn_implementation = "flex_attention"
+    assert "attention implementation 'flex_attention' cannot be split" in cp_problems(_cfg(cp=2), info, dims,
+                                                                                       "cpu")[0]

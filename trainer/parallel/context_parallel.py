@@ -1,0 +1,263 @@
+"""Context parallelism (`strategy.cp=N`): each sequence of a micro-batch is split over the N ranks of a context
+group, which hold the same batch; FSDP shards the parameters over data x context ranks and sums their gradients,
+so the gradient is the whole sequence's.
+
+Sharding is load-balanced for causal attention: the sequence is cut into 2N chunks and rank r holds chunks r and
+2N-1-r (an early and a late chunk, so every rank attends to about as many keys). Position ids follow the shard
+(the model's rotary or learned positions see each token's real position); with `data.packing=documents` they are
+the packed documents' own, restarting per document.
+
+`cp_impl=ulysses` (any attention kernel, CPU included): around the model's attention function, one all-to-all
+turns a rank's [its tokens, all heads] into [all tokens, its 1/N of the heads]; the kernel runs on whole sequences,
+with a mask built here from the whole sequence's token order, documents and the layer's sliding window; a second
+all-to-all returns [its tokens, all heads]. Needs heads and key/value heads (per tensor-parallel rank) divisible by
+N. `cp_impl=ring`: torch's context-parallel SDPA (ring attention over the context group), causal attention of
+whole sequences only, on CUDA kernels.
+
+The model's attention goes through transformers' attention interface under a name of our own (registered here),
+so no mask is built by the model from the shard's positions; the first forward checks that the function was
+called (a model whose attention bypasses the interface cannot be split, and would attend within shards only).
+"""
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager, nullcontext
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import torch.distributed._functional_collectives as funcol
+
+from models.packing import takes_position_ids
+from tessera.errors import ModelError
+from trainer.data.datasets import IGNORE
+
+INNER_KERNELS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
+
+
+def cp_problems(cfg, info, dims, device_type: str) -> List[str]:
+    """Whether this model, data and layout can be split over `strategy.cp` ranks (before any group starts)."""
+    s, cp = cfg.strategy, dims.cp
+    if cp == 1:
+        return [] if s.cp_impl == "ulysses" else ["strategy.cp_impl=ring is read with strategy.cp > 1 only"]
+    text = info.hf_config.get_text_config() if hasattr(info.hf_config, "get_text_config") else info.hf_config
+    problems = []
+    if dims.pp > 1:
+        problems.append(f"strategy.cp={cp} with pipeline parallelism (strategy.pp={dims.pp}) is not supported: the "
+                        f"stages pass hidden states without the shard's positions; use strategy.pp=1")
+    if s.sequence_parallel:
+        problems.append("strategy.sequence_parallel=true with strategy.cp > 1 is not supported (both split the "
+                        "sequence); set strategy.sequence_parallel=false")
+    if cfg.data.seq_len % (2 * cp):
+        problems.append(f"data.seq_len={cfg.data.seq_len} must be divisible by 2 x strategy.cp = {2 * cp} (each "
+                        f"rank holds an early and a late chunk of every sequence)")
+    if not takes_position_ids(info.hf_config):
+        problems.append(f"strategy.cp={cp}: the {text.model_type} model's forward takes no position_ids, so a "
+                        f"shard of a sequence cannot be given its positions; use strategy.cp=1")
+    impl = getattr(info.hf_config, "_attn_implementation", None) or "sdpa"
+    if s.cp_impl == "ulysses":
+        problems += _ulysses_problems(text, impl, cp, dims.tp)
+    else:
+        problems += _ring_problems(cfg, text, impl, device_type)
+    return problems
+
+
+def _ulysses_problems(text, impl: str, cp: int, tp: int) -> List[str]:
+    problems = []
+    heads = getattr(text, "num_attention_heads", None)
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    for what, n in (("attention heads", heads), ("key/value heads", kv)):
+        if n is None or n % (tp * cp):
+            problems.append(f"strategy.cp={cp} (cp_impl=ulysses) splits the {what} of each tensor-parallel rank "
+                            f"over the context ranks: the {text.model_type} model has {n} {what}, not divisible "
+                            f"by strategy.tp x strategy.cp = {tp * cp}; use a degree that divides it or "
+                            f"strategy.cp_impl=ring")
+    if impl not in INNER_KERNELS:
+        problems.append(f"strategy.cp={cp}: attention implementation {impl!r} cannot be split (ulysses runs "
+                        f"around {', '.join(INNER_KERNELS)}); set model.attn_implementation=sdpa")
+    return problems
+
+
+def _ring_problems(cfg, text, impl: str, device_type: str) -> List[str]:
+    problems = []
+    if device_type != "cuda":
+        problems.append(f"strategy.cp_impl=ring needs CUDA attention kernels (torch's ring attention has none for "
+                        f"the {device_type} device); use strategy.cp_impl=ulysses")
+    if cfg.data.packing == "documents":
+        problems.append("strategy.cp_impl=ring attends causally over whole sequences: data.packing=documents needs "
+                        "strategy.cp_impl=ulysses")
+    if getattr(text, "sliding_window", None) or getattr(text, "attn_logit_softcapping", None):
+        problems.append(f"strategy.cp_impl=ring runs plain causal attention; the {text.model_type} model's sliding "
+                        f"window or logit soft-capping needs strategy.cp_impl=ulysses")
+    if impl not in ("sdpa", "flash_attention_2", "flash_attention_3"):
+        problems.append(f"strategy.cp_impl=ring replaces SDPA: attention implementation {impl!r} is not one; "
+                        f"set model.attn_implementation=sdpa")
+    return problems
+
+
+def shard_order(seq_len: int, cp: int) -> torch.Tensor:
+    """The token indices the context ranks hold, rank after rank: rank r holds chunks r and 2cp-1-r."""
+    chunk = seq_len // (2 * cp)
+    parts = []
+    for r in range(cp):
+        parts += [torch.arange(r * chunk, (r + 1) * chunk), torch.arange((2 * cp - 1 - r) * chunk, (2 * cp - r) * chunk)]
+    return torch.cat(parts)
+
+
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """[b, s] document number of each token of packed rows (a document starts where positions do not go on)."""
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    return starts.long().cumsum(1)
+
+
+def _seq_to_heads(x: torch.Tensor, group, n: int) -> torch.Tensor:
+    """[b, h, s, d] of this rank's tokens -> [b, h/n, n*s, d]: its 1/n of the heads over every rank's tokens
+    (rank after rank, as `shard_order` lists them)."""
+    b, h, s, d = x.shape
+    x = x.reshape(b, n, h // n, s, d).permute(1, 0, 2, 3, 4).contiguous()
+    x = funcol.wait_tensor(funcol.all_to_all_single_autograd(x, None, None, group))
+    return x.permute(1, 2, 0, 3, 4).reshape(b, h // n, n * s, d)
+
+
+def _heads_to_seq(x: torch.Tensor, group, n: int) -> torch.Tensor:
+    """[b, n*s, h/n, d] (an attention output of this rank's heads) -> [b, s, h, d] of this rank's tokens."""
+    b, total, hn, d = x.shape
+    x = x.reshape(b, n, total // n, hn, d).permute(1, 0, 2, 3, 4).contiguous()
+    x = funcol.wait_tensor(funcol.all_to_all_single_autograd(x, None, None, group))
+    return x.permute(1, 2, 0, 3, 4).reshape(b, total // n, n * hn, d)
+
+
+class ContextParallel:
+    """The context group of this rank: shards each micro-batch and runs the model's attention across it."""
+
+    def __init__(self, mesh, impl: str, device: torch.device):
+        self.mesh, self.impl, self.device = mesh, impl, device
+        self.group, self.size, self.rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
+        self.inner = "sdpa"  # the model's own attention implementation, which runs on whole sequences
+        self.order = self.inverse = None  # of the batch in progress: natural index of each gathered token
+        self.documents = self.positions = None  # [b, S] in natural order (documents: packed rows only)
+        self.calls = 0
+        self.verified = False
+
+    def apply(self, model) -> None:
+        """Route the model's attention through this group (transformers' attention interface, our name)."""
+        from transformers import AttentionInterface  # start-up time: only runs with strategy.cp > 1
+
+        self.inner = getattr(model.config, "_attn_implementation", None) or "sdpa"
+        name = f"tessera_cp_{self.impl}"
+        AttentionInterface.register(name, self._attention)
+        model.config._attn_implementation = name
+
+    @contextmanager
+    def sharded(self, batch: dict):
+        """This rank's shard of a micro-batch (on the device), while the model runs forward and backward on it:
+        input ids, labels and position ids of its tokens (`shard_position_ids`: plain positions, the packed
+        documents being kept apart here)."""
+        ids, labels = batch["input_ids"], batch["labels"]
+        rows, length = ids.shape
+        positions = batch.get("position_ids")
+        if positions is None:
+            positions = torch.arange(length, device=ids.device).expand(rows, length)
+        pad = (-length) % (2 * self.size)  # a shorter batch (an evaluation's last) is padded at its end
+        if pad:
+            ids, labels = F.pad(ids, (0, pad)), F.pad(labels, (0, pad), value=IGNORE)
+            positions = torch.cat([positions, positions[:, -1:] + torch.arange(1, pad + 1, device=ids.device)], 1)
+        rest = {k: v for k, v in batch.items() if k not in ("input_ids", "labels", "position_ids")}
+        self.calls = 0
+        if self.impl == "ring":
+            with self._ring_context([ids, labels, positions]) as (ids, labels, positions):
+                yield dict(rest, input_ids=ids, labels=labels, shard_position_ids=positions)
+        else:
+            self._set_order(length + pad, positions if "position_ids" in batch else None, positions)
+            mine = self.order.view(self.size, -1)[self.rank]
+            yield dict(rest, input_ids=ids[:, mine], labels=labels[:, mine], shard_position_ids=positions[:, mine])
+        self._check_called()
+
+    def _set_order(self, length: int, packed: Optional[torch.Tensor], positions: torch.Tensor) -> None:
+        self.order = shard_order(length, self.size).to(positions.device)
+        self.inverse = torch.argsort(self.order)
+        self.documents = None if packed is None else document_ids(packed)
+        self.positions = positions
+
+    @contextmanager
+    def _ring_context(self, buffers):
+        from torch.distributed.tensor.experimental import context_parallel  # only with cp_impl=ring (CUDA)
+
+        buffers = [b.contiguous().clone() for b in buffers]  # sharded in place by torch
+        with context_parallel(self.mesh, buffers=buffers, buffer_seq_dims=[1] * len(buffers),
+                              no_restore_buffers=set(buffers)):
+            yield buffers
+
+    def _check_called(self) -> None:
+        if self.verified:
+            return
+        if not self.calls:
+            raise ModelError("strategy.cp > 1: the model's attention does not go through transformers' attention "
+                             "interface, so it cannot be split over the context ranks (each rank would attend "
+                             "within its own shard only); use strategy.cp=1")
+        self.verified = True
+
+    def total(self, value: torch.Tensor) -> torch.Tensor:
+        """A per-rank sum (loss, task sums) over the context group: each rank holds its tokens' part."""
+        value = value.clone()
+        dist.all_reduce(value, group=self.group)
+        return value
+
+    # ---- attention -------------------------------------------------------------------------------------------
+    def _attention(self, module, query, key, value, attention_mask, **kwargs):
+        self.calls += 1
+        if self.impl == "ring":
+            return _ring_attention(query, key, value, kwargs.get("scaling")), None
+        n, g = self.size, self.group
+        q, k, v = (_seq_to_heads(x, g, n)[:, :, self.inverse] for x in (query, key, value))
+        if self.inner.startswith("flash") and self.documents is not None:
+            kwargs["position_ids"] = self.positions  # the varlen kernel finds the documents from them
+        out, _ = self._inner_function(module)(module, q, k, v, self._mask(q, kwargs.get("sliding_window")),
+                                               **kwargs)
+        return _heads_to_seq(out[:, self.order], g, n), None
+
+    def _inner_function(self, module):
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # loaded with the model already
+
+        if self.inner == "eager":  # the model's own (soft-capping, sinks, ...), as its attention would call it
+            inner = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+            if inner is None:
+                raise ModelError(f"strategy.cp: {type(module).__name__} has no eager attention function to run "
+                                 f"across the context ranks; set model.attn_implementation=sdpa")
+            return inner
+        return ALL_ATTENTION_FUNCTIONS[self.inner]
+
+    def _mask(self, q: torch.Tensor, window: Optional[int]):
+        """The whole sequence's mask in natural order: causal, inside each packed document, within the layer's
+        sliding window; None where the kernel masks causally itself (SDPA without documents or window, flash)."""
+        if self.inner.startswith("flash") or (self.inner == "sdpa" and self.documents is None and not window):
+            return None
+        idx = torch.arange(q.shape[2], device=q.device)
+        allowed = idx[None, :] <= idx[:, None]
+        if window:
+            allowed = allowed & (idx[:, None] - idx[None, :] < window)
+        allowed = allowed[None, None]
+        if self.documents is not None:
+            d = self.documents
+            allowed = allowed & (d[:, None, :, None] == d[:, None, None, :])
+        if self.inner == "sdpa":
+            return allowed
+        return torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed,
+                                                                                      torch.finfo(q.dtype).min)
+
+
+def _ring_attention(query, key, value, scaling) -> torch.Tensor:
+    """Causal SDPA on this rank's shard; torch's context-parallel dispatcher (active in `sharded`) turns it into
+    ring attention over the context group. -> [b, s, h, d] as transformers' attention functions return."""
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
+    return out.transpose(1, 2).contiguous()
+
+
+def sharded_or_whole(cp: Optional[ContextParallel], batch: dict):
+    """`cp.sharded(batch)`, or the batch as it is without context parallelism."""
+    return cp.sharded(batch) if cp is not None else nullcontext(batch)
