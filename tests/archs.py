@@ -190,16 +190,23 @@ def make_model_folder(name: str, path, seed: int = 0) -> Path:
 
 
 # ---- the matrix the integration test runs (tests/integration/test_architectures.py) and the docs show -----------
-LAYOUTS = ["single", "ddp", "zero2", "zero3", "fsdp", "tp", "pp", "cp"]
+LAYOUTS = ["single", "ddp", "zero2", "zero3", "fsdp", "tp", "pp", "cp", "ep"]
+# Layouts for mixture-of-experts models only (expert parallelism): they run the architectures alone (no llama
+# variants), and refuse the dense ones.
+MOE_LAYOUTS = ("ep",)
+MOE_ARCHITECTURES = ("mixtral", "qwen3_moe")
 # Architectures a layout refuses before training, with the words of the message that says why.
 REFUSED = {
     ("gpt2", "tp"): "gpt2 architecture has no tensor-parallel plan",
     ("opt", "tp"): "opt architecture has no tensor-parallel plan",
+    **{(name, "ep"): "needs a mixture-of-experts model whose experts are fused 3-D tensors"
+       for name in ARCHITECTURES if name not in MOE_ARCHITECTURES},
 }
 # Why, in the words of docs/strategies-and-layouts.md.
 REFUSED_WHY = {
     ("gpt2", "tp"): "refused: fused Conv1D q/k/v, no TP plan",
     ("opt", "tp"): "refused: attention reshapes by the full head count, no TP plan",
+    **{(name, "ep"): "refused: dense (no experts)" for name in ARCHITECTURES if name not in MOE_ARCHITECTURES},
 }
 # Layouts that run llama in fp16 (loss scaling): the reference and the pipeline, whose loss the schedule scales.
 FP16_LAYOUTS = ("single", "pp")

@@ -50,6 +50,7 @@ LAYOUTS = {
     "tp": ("torchrun", ["strategy=tp"]),
     "pp": ("torchrun", ["strategy=pp"]),
     "cp": ("torchrun", ["strategy=fsdp", "strategy.cp=2"]),  # context parallelism (Ulysses) alone
+    "ep": ("torchrun", ["strategy=fsdp", "strategy.ep=2"]),  # the experts split over both ranks, FSDP for the rest
 }
 # bf16 also exports in bf16 (export.dtype): the fp32 masters cast, on every layout.
 VARIANTS = {"fp32": [], "bf16": ["precision=bf16", "export.dtype=bf16"], "fp16": ["precision=fp16"],

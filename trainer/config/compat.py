@@ -19,7 +19,7 @@ from trainer.parallel.dims import select_device
 from trainer.parallel.sync import sync_problems
 from trainer.run.optim import implementation_problems
 
-DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "cp")
+DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")
 FSDP_OPTIONS = (("cpu_offload", False), ("param_dtype", None), ("reduce_dtype", None))
 
 

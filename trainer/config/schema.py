@@ -127,6 +127,8 @@ class StrategyConfig:
                             "layouts; FSDP shards over data x context ranks).")
     cp_impl: str = documented("ulysses", "Context parallelism: ulysses (all-to-all from sequence to head shards "
                                          "around any attention kernel) or ring (torch's ring attention; CUDA).")
+    ep: int = documented(1, "Expert-parallel degree: a mixture-of-experts model's experts split over this many "
+                            "of the data (x context) ranks (torch-native layouts).")
     # Micro-batches per step (the pipeline's) = gradient accumulation.
     pp_schedule: str = documented("1f1b", "Pipeline schedule: gpipe, 1f1b, interleaved_1f1b, looped_bfs, "
                                           "interleaved_zb, zbv or dualpipev.")
@@ -493,6 +495,7 @@ RANGE_CHECKED_ELSEWHERE = {
     "strategy.tp": "trainer.parallel.dims.ParallelDims.problems (a positive degree or -1)",
     "strategy.pp": "trainer.parallel.dims.ParallelDims.problems (a positive degree or -1)",
     "strategy.cp": "trainer.parallel.dims.ParallelDims.problems (a positive degree)",
+    "strategy.ep": "trainer.parallel.dims.ParallelDims.problems (a positive degree dividing dp_shard x cp)",
     "strategy.pp_split_points": "models.plans.split_problems (increasing layer indices)",
     "optim.betas": "validate (two numbers in [0, 1))",
 }

@@ -20,6 +20,7 @@ from typing import Dict, List
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from tessera.errors import one_line
 from trainer.observe.model_states import CATEGORIES, memory_layout, state_bytes
@@ -90,15 +91,22 @@ class SavedActivations:
         self.peak = max(self.peak, self.current)
 
     def _pack(self, t):
-        if not (t.is_leaf and t.requires_grad) and t.device.type != "meta":
-            try:
-                storage = t.untyped_storage()
-            except (RuntimeError, NotImplementedError):  # a tensor subclass without one storage
-                return t
-            if storage.data_ptr() not in self.seen:
-                self.seen.add(storage.data_ptr())
-                self.current += storage.nbytes()
+        try:  # runs inside autograd: a tensor it cannot measure must never fail training
+            self._count(t)
+        except Exception:  # noqa: BLE001 - a subclass without a storage of its own: not counted
+            pass
         return t
+
+    def _count(self, t) -> None:
+        if (t.is_leaf and t.requires_grad) or t.device.type == "meta":
+            return
+        if isinstance(t, DTensor):  # a wrapper: its storage is the local part's
+            with torch.no_grad():
+                t = t.to_local()
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self.seen:
+            self.seen.add(storage.data_ptr())
+            self.current += storage.nbytes()
 
     def close(self) -> None:
         for handle in self.handles:

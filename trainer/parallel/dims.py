@@ -30,6 +30,9 @@ class ParallelDims:
     # Context parallelism: each sequence split over `cp` ranks that hold the same batch (its ranks are not
     # data-parallel: the global batch is split dp_size ways, not dp_size x cp).
     cp: int = 1
+    # Expert parallelism borrows ranks: the experts are split over `ep` of the dp_shard x cp ranks (which still read
+    # their own batches); it adds no ranks of its own.
+    ep: int = 1
     # torchft replica groups (strategy.fault_tolerance=torchft): this process group is group `replica_group` of
     # `replica_groups` equal ones, each taking its share of the global batch.
     replica_groups: int = 1
@@ -48,9 +51,9 @@ class ParallelDims:
                 if v != -1:
                     known *= v
             degrees[fill[0]] = world_size // known
-        groups = {}
+        groups = {"ep": getattr(strategy_cfg, "ep", 1)}
         if getattr(strategy_cfg, "fault_tolerance", "none") == "torchft":
-            groups = dict(replica_groups=strategy_cfg.replica_groups, replica_group=max(strategy_cfg.replica_group, 0))
+            groups.update(replica_groups=strategy_cfg.replica_groups, replica_group=max(strategy_cfg.replica_group, 0))
         return cls(world_size=world_size, **degrees, **groups)
 
     @staticmethod
@@ -79,7 +82,11 @@ class ParallelDims:
         elif known != world_size:
             problems.append(f"the parallel degrees multiply to {known} ({desc}) but the world size is {world_size}; "
                             f"change the degrees or the number of processes")
-        return problems
+        return problems or _ep_problems(strategy_cfg, degrees, world_size // known if fill else 1)
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
 
     @property
     def group_dp_size(self) -> int:
@@ -133,6 +140,18 @@ class ParallelDims:
         one another: group g holds data-parallel ranks g x group_dp_size onwards)."""
         dp_rank = (rank // (self.tp * self.cp)) % self.group_dp_size
         return self.replica_group * self.group_dp_size + dp_rank, self.dp_size
+
+
+def _ep_problems(strategy_cfg, degrees: dict, filled: int) -> List[str]:
+    """strategy.ep: a positive degree dividing the ranks it borrows (dp_shard x cp, once -1 is filled)."""
+    ep = getattr(strategy_cfg, "ep", 1)
+    if ep < 1:
+        return [f"strategy.ep={ep} must be a positive degree (1: no expert parallelism)"]
+    shard = degrees["dp_shard"] if degrees["dp_shard"] != -1 else filled
+    if (shard * degrees["cp"]) % ep:
+        return [f"strategy.ep={ep} splits the experts over data-parallel shard (x context) ranks: it must divide "
+                f"strategy.dp_shard x strategy.cp = {shard * degrees['cp']}"]
+    return []
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -20,7 +20,6 @@ it is not reduced over the ep group here. See `ep_grad_scale` for what a data-pa
 """
 from __future__ import annotations
 
-import copy
 import inspect
 import types
 from typing import List, Optional, Tuple
@@ -219,7 +218,8 @@ def _local_experts(module: nn.Module, rows: torch.Tensor, local_ids: torch.Tenso
         # the reverse all-to-all like the others' and its experts get a (zero) gradient like theirs.
         ties = [t.reshape(-1)[:0].sum() for t in local.values() if t is not None and t.requires_grad]
         return rows + sum(ties) if ties else rows
-    view = copy.copy(module)
+    view = object.__new__(type(module))  # a shallow copy; copy.copy would run FSDP's class __new__ (re-init)
+    view.__dict__.update(module.__dict__)
     view.__dict__.pop("forward", None)
     view.__dict__["_parameters"] = local
     view.__dict__["num_experts"] = module.num_experts // module._tessera_ep_mesh.size()

@@ -59,13 +59,17 @@ def fsdp_dtypes(cfg):
 
 
 def apply_fsdp(blocks, root, mesh, param_dtype, reduce_dtype, reshard_after_forward: bool, cpu_offload: bool,
-               pin_memory: bool) -> None:
+               pin_memory: bool, inner=()) -> None:
     """fully_shard each block, then the root, over `mesh` (1-D: shard; 2-D replicate x shard: hsdp), with the
-    mixed-precision and offload policies; gradients summed (see the module docstring)."""
+    mixed-precision and offload policies; gradients summed (see the module docstring). `inner`: (module, mesh)
+    pairs sharded first over a mesh of their own (expert-parallel experts: over the ranks holding the same
+    experts)."""
     options = dict(
         mesh=mesh, reshard_after_forward=reshard_after_forward,
         mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
         offload_policy=CPUOffloadPolicy(pin_memory=pin_memory) if cpu_offload else OffloadPolicy())
+    for module, module_mesh in inner:
+        fully_shard(module, **dict(options, mesh=module_mesh))
     for block in blocks:
         fully_shard(block, **options)
     fully_shard(root, **options)

@@ -45,5 +45,10 @@ def world_square_sum(grads, device: torch.device, group=None) -> torch.Tensor:
 def clip_to_norm(params, norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     """Scale the gradients of `params` so that their global norm `norm` is at most `max_norm` (> 0)."""
     if max_norm > 0 and params:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm.float())
+        # by mesh: DTensor's foreach kernels take one mesh (expert-parallel experts live on their own)
+        by_mesh = {}
+        for p in params:
+            by_mesh.setdefault(id(p.grad.device_mesh) if isinstance(p.grad, DTensor) else None, []).append(p)
+        for group in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm.float())
     return norm

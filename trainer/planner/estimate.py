@@ -37,6 +37,7 @@ from tessera.errors import EXIT_BAD_INPUT, ConfigError, TesseraError, one_line
 from trainer.config import schema as C
 from trainer.config.compose import CONF_DIR, compose
 from trainer.parallel.dims import ParallelDims
+from trainer.parallel.expert_parallel import expert_modules
 from trainer.parallel.pipeline import SCHEDULES, stage_indices, stages_per_rank
 from trainer.planner.model_states import MODEL_STATES
 from trainer.run import build as B
@@ -59,6 +60,7 @@ class Counts:
     tp_split: Dict[str, int] = field(default_factory=dict)  # params split by tensor parallelism, per block / ends
     largest_block: int = 0
     largest_param: int = 0
+    block_experts: int = 0  # mixture-of-experts experts in the largest block (what strategy.ep splits)
 
 
 def count_parameters(model, tp: int = 1) -> Counts:
@@ -81,8 +83,11 @@ def count_parameters(model, tp: int = 1) -> Counts:
             if any(fnmatch.fnmatch(module, pattern.replace("*", "[0-9]*")) for pattern in plan):
                 tp_split[name] = p.numel()
     other = total - sum(block_counts) - first - last
+    experts = [sum(p.numel() for _, m in expert_modules(b) for p in m.parameters()) for _, b in blocks]
+    largest = max(range(len(blocks)), key=lambda i: block_counts[i], default=None)
     return Counts(total, block_counts, first, last, other, tp_split, max(block_counts, default=0),
-                  max((p.numel() for p in params.values()), default=0))
+                  max((p.numel() for p in params.values()), default=0),
+                  experts[largest] if largest is not None else 0)
 
 
 @dataclass

@@ -74,13 +74,14 @@ def native_states(est, cfg, dims, counts, rank_params: float) -> None:
     shard group; one block gathered (and the next prefetched) in the compute dtype, or every block with
     reshard_after_forward=false."""
     s = cfg.strategy
-    shard = dims.dp_shard if dims.dp_size > 1 else 1
+    shard = dims.dp_shard * dims.cp if dims.dp_size > 1 or dims.cp > 1 else 1  # over data x context ranks
     gathered_dtype = element_bytes(s.param_dtype or cfg.precision.name)
     est.params = 4 * rank_params / shard
     est.grads = 4 * rank_params / shard
     est.optimizer = optimizer_bytes_per_param(cfg) * rank_params / shard
-    block = counts.largest_block / max(dims.tp, 1)
-    if dims.dp_size > 1:
+    # expert parallelism: a block gathers only this rank's 1/ep of its experts (the rest stay on their ranks)
+    block = (counts.largest_block - counts.block_experts * (1 - 1 / dims.ep)) / max(dims.tp, 1)
+    if dims.dp_size > 1 or dims.cp > 1:
         est.buffers = gathered_dtype * (rank_params if not s.reshard_after_forward else 2 * block)
     anchor, outer = sync_state_bytes(cfg, rank_params / shard)
     est.master_params += anchor
@@ -92,6 +93,7 @@ def native_states(est, cfg, dims, counts, rank_params: float) -> None:
         est.params = est.grads = est.optimizer = 0
     est.host_load = 4 * max(block, counts.first, counts.last) * 2
     est.notes.append(f"parameters on the meta device until sharded; fp32 shards over {shard} rank(s)"
+                     + (f", experts over {dims.ep} expert-parallel rank(s)" if dims.ep > 1 else "")
                      + (f", tensor-parallel degree {dims.tp}" if dims.tp > 1 else "")
                      + (f", pipeline degree {dims.pp}" if dims.pp > 1 else ""))
 

@@ -29,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 import torch.distributed.pipelining.schedules as schedules
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
@@ -43,6 +44,7 @@ from trainer.data.datasets import IGNORE
 from trainer.parallel import fsdp as F2
 from trainer.parallel.context_parallel import ContextParallel, cp_problems
 from trainer.parallel.dims import device_type
+from trainer.parallel.expert_parallel import apply_ep, ep_problems, expert_modules
 from trainer.parallel.grad_norm import clip_to_norm, world_square_sum
 from trainer.parallel.pipeline import (SCHEDULES, SPLIT_BACKWARD_SCHEDULES, StageModule, cut_stage, set_module,
                                        stage_indices, stages_per_rank)
@@ -60,7 +62,8 @@ class TorchNativeStrategy(Strategy):
     name = "fsdp"
     names = ("fsdp", "hsdp", "tp", "pp", "fsdp_tp", "pp_fsdp", "3d")
     # Pretrained weights come to load_initial_weights, each rank reading only its part.
-    capabilities = Capabilities(degrees=frozenset({"dp_replicate", "dp_shard", "tp", "pp", "cp"}), fsdp_options=True,
+    capabilities = Capabilities(degrees=frozenset({"dp_replicate", "dp_shard", "tp", "pp", "cp", "ep"}),
+                                fsdp_options=True,
                                 dtensor_parameters=True, loads_pretrained_weights=True,
                                 fault_tolerance=frozenset({"torchft"}))
 
@@ -72,7 +75,7 @@ class TorchNativeStrategy(Strategy):
         s = cfg.strategy
         plain = s.tp == 1 and s.pp == 1
         return replace(cls.capabilities,
-                       degrees=frozenset({"dp_replicate", "dp_shard", "cp"}) if s.name in _ALWAYS_FSDP else
+                       degrees=frozenset({"dp_replicate", "dp_shard", "cp", "ep"}) if s.name in _ALWAYS_FSDP else
                        cls.capabilities.degrees,
                        fault_tolerance=cls.capabilities.fault_tolerance if s.name in _ALWAYS_FSDP and plain else
                        frozenset(),
@@ -135,6 +138,7 @@ class TorchNativeStrategy(Strategy):
                             f"fraction of the parameters, so shard the frozen base with strategy=fsdp or hsdp (or "
                             f"a ZeRO stage) instead")
         problems += cp_problems(cfg, info, dims, device_type(cfg.train.device))
+        problems += cls._ep_problems(cfg, info, dims)
         if dims.pp > 1 and cfg.data.packing == "documents":
             problems.append(f"data.packing=documents is not available with pipeline parallelism (strategy.pp="
                             f"{dims.pp}): the stages pass hidden states only, not the packed position ids; use "
@@ -144,6 +148,21 @@ class TorchNativeStrategy(Strategy):
                             f"the last stage's loss does not see the rows' tasks; use strategy.pp=1")
         if dims.pp > 1 and s.pp_schedule in SCHEDULES:
             problems += cls._pipeline_problems(cfg, info, dims, model)
+        return problems
+
+    @classmethod
+    def _ep_problems(cls, cfg, info, dims) -> List[str]:
+        """strategy.ep: the model's experts split that many ways, beside FSDP alone (with context parallelism)."""
+        if not dims.ep_enabled:
+            return []
+        problems = ep_problems(info.hf_config, dims.ep)
+        if dims.tp > 1 or dims.pp > 1:
+            problems.append(f"strategy.ep={dims.ep} with tensor or pipeline parallelism (strategy.tp={dims.tp}, "
+                            f"strategy.pp={dims.pp}) is not supported yet: the experts are split over data-parallel "
+                            f"ranks beside FSDP alone; use strategy=fsdp or hsdp (with strategy.cp if you like)")
+        if cfg.sync.name != "every_step":
+            problems.append(f"strategy.ep={dims.ep} with sync={cfg.sync.name} is not supported: the experts of one "
+                            f"replica are split over its ranks; use sync=every_step")
         return problems
 
     @classmethod
@@ -244,6 +263,18 @@ class TorchNativeStrategy(Strategy):
         else:
             self.dp_mesh = shard  # with local workers FSDP reduces inside the group only
         self.cp = ContextParallel(mesh["cp"], s.cp_impl, self.device) if d.cp_enabled else None
+        self.ep_mesh = self.experts_fsdp_mesh = None
+        if d.ep_enabled:
+            self.ep_mesh, self.experts_fsdp_mesh = self._expert_meshes(mesh)
+
+    def _expert_meshes(self, mesh):
+        """(ep mesh, the experts' FSDP mesh): the dp_shard x cp ranks split into (dp_mod_ep, ep), expert-parallel
+        ranks innermost, as one mesh (FSDP's 2-D sharding of the experts needs both from one root)."""
+        d = self.dims
+        ranks = mesh.mesh.reshape(d.pp, d.dp_replicate, d.dp_shard * d.cp // d.ep, d.ep, d.tp)
+        experts = DeviceMesh(self.device.type, ranks, mesh_dim_names=("pp", "dp_replicate", "dp_mod_ep", "ep", "tp"))
+        hsdp = d.dp_replicate_enabled or self.cfg.strategy.name == "hsdp"
+        return experts["ep"], experts["dp_replicate", "dp_mod_ep"] if hsdp else experts["dp_mod_ep"]
         self._worker_group = self.dp_mesh.get_group() if self.independent_replicas and d.dp_size > 1 else None
 
     def _cut_stages(self, model) -> None:
@@ -281,11 +312,15 @@ class TorchNativeStrategy(Strategy):
             apply_tp(part, plans.tp_plan(part, d.tp), self.tp_mesh, s.sequence_parallel)
         if self.cp is not None:
             self.cp.apply(part)
+        experts = []
+        if self.ep_mesh is not None:
+            apply_ep(part, self.ep_mesh)
+            experts = [(m, self.experts_fsdp_mesh) for _, m in expert_modules(part)]
         self.prepare_blocks(part)  # activation checkpointing, compile
         if self.fsdp_enabled:
             F2.apply_fsdp([b for _, b in decoder_blocks(part)], root, self.dp_mesh, self.param_dtype,
                           self.reduce_dtype, s.reshard_after_forward, s.cpu_offload,
-                          pin_memory=self.device.type == "cuda")
+                          pin_memory=self.device.type == "cuda", inner=experts)
         F2.materialize(root, self.device, s.cpu_offload)  # new parameter objects: hooks go on after it
         if d.tp_enabled and not self.fsdp_enabled:
             grads_in_param_layout(part)
