@@ -27,6 +27,18 @@ SMALL = ["model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "mod
          "logging.progress=false"]
 
 
+def short_documents(path) -> Path:
+    """Write 400 JSONL documents of 1 to 40 words (seeded) to `path`: many fit several to a sequence of 64
+    tokens under data.packing=documents, some are cut."""
+    import random
+
+    rng = random.Random(0)
+    words = "the a my thy love night day sword heart light moon star rose house peace fortune grave".split()
+    Path(path).write_text("".join(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(1, 40)))})
+                                  + "\n" for _ in range(400)))
+    return Path(path)
+
+
 def launch(launcher: str, overrides, run_dir, nproc: int = 1, timeout: float = 300, env=None, warm: bool = True):
     """Start trainer/main.py with `python`, `torchrun`, `torchrun-quiet` or `deepspeed`; the CompletedProcess.
     `warm`: the ranks start from the warm-start server (tests/warm.py; what differs from a cold start is listed

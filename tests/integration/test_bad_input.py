@@ -81,12 +81,8 @@ CASES = [
      "the llama model has 1 key/value heads, not divisible by strategy.tp x strategy.cp = 2"),
     ("cp-ring-on-cpu", ["strategy=fsdp", "strategy.cp=2", "strategy.cp_impl=ring", "train.device=cpu"],
      "torchrun-quiet", 2, 2, "strategy.cp_impl=ring needs CUDA attention kernels"),
-    ("cp-with-pipeline", ["strategy=pp_fsdp", "strategy.pp=2", "strategy.cp=2", "strategy.dp_shard=1"],
-     "torchrun-quiet", 4, 2, "strategy.cp=2 with pipeline parallelism (strategy.pp=2) is not supported"),
     ("ep-on-a-dense-model", ["strategy=fsdp", "strategy.ep=2"], "torchrun-quiet", 2, 2,
      "strategy.ep=2 needs a mixture-of-experts model whose experts are fused 3-D tensors; llama has none"),
-    ("ep-not-dividing-the-ranks", ["strategy=fsdp", "strategy.ep=3"], "torchrun-quiet", 2, 2,
-     "strategy.ep=3 splits the experts over data-parallel shard (x context) ranks: it must divide"),
     ("lora-with-tensor-parallelism", ["peft=lora", "strategy=tp"], "torchrun-quiet", 2, 2,
      "peft=lora is not available with tensor or pipeline parallelism"),
     # data.follow: the file or folder records are appended to must exist.

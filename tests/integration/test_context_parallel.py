@@ -2,14 +2,14 @@
 sequences trains the one-process curve in fp32 (loss and gradient norm within 1e-6 relative), with packed documents
 and grouped-query attention; a checkpoint written with context ranks resumes without them; a rank's activations
 fall about 1/cp, as the planner says. (Every architecture of the matrix under cp=2: test_architectures' `cp`
-layout; the configuration refusals: test_bad_input.)"""
+layout; the configuration refusals: test_bad_input and tests/unit/parallel/test_context_shards.py.)"""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from tests.integration.conftest import SMALL, check_parity, launch, metrics, ok
+from tests.integration.conftest import SMALL, check_parity, launch, metrics, ok, short_documents
 
 STEPS = 4
 # Grouped-query attention with heads and key/value heads that split 4 ways (also per tensor-parallel rank of 2).
@@ -18,15 +18,7 @@ GQA = ["model.num_heads=8", "model.num_kv_heads=4"]
 
 @pytest.fixture(scope="module")
 def documents(tmp_path_factory):
-    """JSONL documents of 1 to 40 words: packed several to a sequence of 64 tokens, some cut."""
-    import random
-
-    rng = random.Random(0)
-    words = "the a my thy love night day sword heart light moon star rose house peace fortune grave".split()
-    path = tmp_path_factory.mktemp("cp-docs") / "docs.jsonl"
-    path.write_text("".join(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(1, 40)))})
-                            + "\n" for _ in range(400)))
-    return path
+    return short_documents(tmp_path_factory.mktemp("cp-docs") / "docs.jsonl")
 
 
 def _overrides(packed_docs=None, extra=()):

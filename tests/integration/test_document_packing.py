@@ -3,26 +3,17 @@ losses under the layouts that run them (single process, fsdp, tp; real processes
 pack with their response masks."""
 from __future__ import annotations
 
-import json
 
 import pytest
 
-from tests.integration.conftest import SMALL, check_parity, launch, metrics, ok
+from tests.integration.conftest import SMALL, check_parity, launch, metrics, ok, short_documents
 
 STEPS = 4
 
 
 @pytest.fixture(scope="module")
 def documents(tmp_path_factory):
-    """JSONL documents of 1 to 40 words: many fit several to a sequence of 64 tokens, some are cut."""
-    import random
-
-    rng = random.Random(0)
-    words = "the a my thy love night day sword heart light moon star rose house peace fortune grave".split()
-    path = tmp_path_factory.mktemp("packing") / "docs.jsonl"
-    path.write_text("".join(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(1, 40)))})
-                            + "\n" for _ in range(400)))
-    return path
+    return short_documents(tmp_path_factory.mktemp("packing") / "docs.jsonl")
 
 
 def _overrides(data):

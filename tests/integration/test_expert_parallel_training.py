@@ -1,7 +1,6 @@
 """Expert parallelism (strategy.ep) end to end with real processes on gloo, on the tiny Mixtral of the matrix: the
-experts split over 4 ranks, over 2 of 4 FSDP ranks, beside context parallelism and under hsdp all train the
-one-process curve in fp32 (loss and gradient norm within 1e-6 relative); a checkpoint written at ep=2 resumes at
-ep=1 (plain fsdp) and at ep=4 and continues the curve; a rank gathers only its share of each block's experts, as
+experts split over 2 of 4 FSDP ranks, beside context parallelism and under hsdp train the in fp32 (loss and gradient norm within 1e-6 relative); a checkpoint written at ep=2 resumes at ep=1 (plain
+fsdp) and at ep=4 (one expert per rank) and continues the curve; a rank gathers only its share of each block's experts, as
 the planner says. (Every MoE architecture under ep=2 and the dense ones' refusal: test_architectures' `ep` layout;
 the expert dispatch against one process, block by block: tests/unit/parallel/test_expert_parallel.py.)"""
 from __future__ import annotations
@@ -38,7 +37,6 @@ def reference(mixtral, tmp_path_factory):
 
 
 CASES = {
-    "ep4": ["strategy=fsdp", "strategy.ep=4"],
     "fsdp4_x_ep2": ["strategy=fsdp", "strategy.ep=2"],
     "cp2_x_ep2": ["strategy=fsdp", "strategy.cp=2", "strategy.ep=2"],
     "hsdp2x2_x_ep2": ["strategy=hsdp", "strategy.dp_replicate=2", "strategy.dp_shard=2", "strategy.ep=2"],
@@ -49,6 +47,21 @@ CASES = {
 def test_expert_parallelism_trains_the_one_process_curve(mixtral, reference, tmp_path, name):
     ok(launch("torchrun", _overrides(mixtral, CASES[name]), tmp_path, nproc=4))
     check_parity(f"ep {name}", metrics(tmp_path), reference, steps=STEPS)
+
+
+def test_bf16_under_expert_parallelism_is_one_process_bf16(mixtral, reference, tmp_path):
+    """precision=bf16 at ep=2 (FSDP casts what it gathers, the experts' shards too): the curve of one process in
+    bf16 within bf16 rounding, and away from fp32's."""
+    runs = {}
+    for name, launcher, nproc, extra in (("single", "python", 1, ["strategy=single"]),
+                                         ("ep2", "torchrun", 2, ["strategy=fsdp", "strategy.ep=2"])):
+        runs[name] = tmp_path / name
+        ok(launch(launcher, _overrides(mixtral, [*extra, "precision=bf16"]), runs[name], nproc=nproc))
+    recs, base = metrics(runs["ep2"]), metrics(runs["single"])
+    errors = [abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(recs, base)]
+    assert len(recs) == STEPS and max(errors) < 2e-2, errors
+    from_fp32 = max(abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(recs, reference))
+    assert from_fp32 > 1e-5, from_fp32  # it computed in bf16
 
 
 def test_a_checkpoint_reshards_between_expert_degrees(mixtral, reference, tmp_path):

@@ -263,7 +263,9 @@ def report(cfg, world_size: int, info, est: Estimate, device_gib: Optional[float
     lines = [f"plan: strategy={est.strategy} world size {world_size} | model {cfg.model.kind} "
              f"{cfg.model.name_or_path or ''}({info.num_layers} layers, hidden {info.hidden_size}, "
              f"{count_parameters_total(info) / 1e6:.1f}M params) | precision {cfg.precision.name} | micro-batch "
-             f"{cfg.train.micro_batch_size} x seq {cfg.data.seq_len}"]
+             f"{cfg.train.micro_batch_size} x seq {cfg.data.seq_len}"
+             + (f" over {cfg.strategy.cp} context ranks ({cfg.strategy.cp_impl})" if cfg.strategy.cp > 1 else "")
+             + (f" | experts over {cfg.strategy.ep} ranks" if cfg.strategy.ep > 1 else "")]
     if est.problems:
         lines.append("checks: FAIL")
         lines += [f"  - {p}" for p in est.problems]

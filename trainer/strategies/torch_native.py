@@ -1,10 +1,12 @@
-"""Torch-native layouts, one strategy over the validated degrees (pp, dp_replicate, dp_shard, tp): `fsdp` and
-`hsdp` (FSDP2), `tp`, `pp`, and the hybrids `fsdp_tp` (2-D), `pp_fsdp` (2-D) and `3d` (pp x fsdp x tp).
+"""Torch-native layouts, one strategy over the validated degrees (pp, dp_replicate, dp_shard, cp, tp; ep borrows
+data ranks): `fsdp` and `hsdp` (FSDP2), `tp`, `pp`, and the hybrids `fsdp_tp` (2-D), `pp_fsdp` (2-D) and `3d`.
 
 Each parallelism is one function, applied in order as torchtitan does: the model (parameters on the meta device)
 is cut into pipeline stages (trainer/parallel/pipeline.py), each stage's modules are split by the model's
-tensor-parallel plan (trainer/parallel/tensor_parallel.py `apply_tp`), and each stage is sharded over the
-data-parallel ranks with FSDP2 (trainer/parallel/fsdp.py `apply_fsdp`) when FSDP is on; then shards are allocated and
+tensor-parallel plan (trainer/parallel/tensor_parallel.py `apply_tp`), its attention routed across the context
+ranks (trainer/parallel/context_parallel.py, `strategy.cp`), its experts split over the expert ranks
+(trainer/parallel/expert_parallel.py `apply_ep`, `strategy.ep`), and each stage is sharded over the data (x context)
+ranks with FSDP2 (trainer/parallel/fsdp.py `apply_fsdp`) when FSDP is on; then shards are allocated and
 filled, one block of seeded weights or one pretrained tensor's slice at a time. Activation checkpointing and
 compile (`Strategy.prepare_blocks`) go on each stage's decoder blocks after tensor parallelism, before FSDP.
 
@@ -262,6 +264,7 @@ class TorchNativeStrategy(Strategy):
             self.dp_mesh = mesh["dp_replicate", "dp_shard_cp" if d.cp_enabled else "dp_shard"]
         else:
             self.dp_mesh = shard  # with local workers FSDP reduces inside the group only
+        self._worker_group = self.dp_mesh.get_group() if self.independent_replicas and d.dp_size > 1 else None
         self.cp = ContextParallel(mesh["cp"], s.cp_impl, self.device) if d.cp_enabled else None
         self.ep_mesh = self.experts_fsdp_mesh = None
         if d.ep_enabled:
@@ -275,7 +278,6 @@ class TorchNativeStrategy(Strategy):
         experts = DeviceMesh(self.device.type, ranks, mesh_dim_names=("pp", "dp_replicate", "dp_mod_ep", "ep", "tp"))
         hsdp = d.dp_replicate_enabled or self.cfg.strategy.name == "hsdp"
         return experts["ep"], experts["dp_replicate", "dp_mod_ep"] if hsdp else experts["dp_mod_ep"]
-        self._worker_group = self.dp_mesh.get_group() if self.independent_replicas and d.dp_size > 1 else None
 
     def _cut_stages(self, model) -> None:
         """This rank's pipeline stages as parts of the model (the whole model without pipeline parallelism)."""

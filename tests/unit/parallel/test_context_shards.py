@@ -32,7 +32,7 @@ def test_documents_start_where_positions_do_not_go_on():
 
 
 def _strategy(**kw):
-    base = dict(dp_replicate=1, dp_shard=-1, tp=1, pp=1, cp=1, cp_impl="ulysses", sequence_parallel=False)
+    base = dict(dp_replicate=1, dp_shard=-1, tp=1, pp=1, cp=1, ep=1, cp_impl="ulysses", sequence_parallel=False)
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -102,3 +102,15 @@ def test_learned_positions_split_too_and_unknown_kernels_are_refused():
     info.hf_config._attn_implementation = "flex_attention"
     assert "attention implementation 'flex_attention' cannot be split" in cp_problems(_cfg(cp=2), info, dims,
                                                                                        "cpu")[0]
+
+
+def test_the_expert_degree_borrows_data_and_context_ranks():
+    """strategy.ep adds no ranks: it must divide dp_shard x cp (after -1 is filled)."""
+    dims = ParallelDims.from_config(_strategy(cp=2, ep=4), 8)
+    assert (dims.dp_shard, dims.cp, dims.ep, dims.dp_size, dims.world_size) == (4, 2, 4, 4, 8)
+    assert ParallelDims.problems(_strategy(ep=3), 2) == [
+        "strategy.ep=3 splits the experts over data-parallel shard (x context) ranks: it must divide "
+        "strategy.dp_shard x strategy.cp = 2"]
+    assert ParallelDims.problems(_strategy(ep=0), 2) == [
+        "strategy.ep=0 must be a positive degree (1: no expert parallelism)"]
+    assert ParallelDims.problems(_strategy(tp=2, ep=2), 2)  # dp_shard fills 1 rank: nothing to borrow

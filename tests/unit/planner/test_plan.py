@@ -133,3 +133,39 @@ def test_layout_refusals_of_a_model_are_reported_before_launch(tmp_path, capsys)
     assert "checks: FAIL" in out and "opt architecture has no tensor-parallel plan" in out
     assert P.main(overrides + ["strategy=pp", "plan.world_size=2"]) == 0  # its pipeline split is derived
     capsys.readouterr()
+
+
+def test_context_parallelism_divides_activations_and_shards_over_data_x_context(capsys):
+    """strategy.cp=2 on 4 ranks: each rank keeps half the activations of the same micro-batch, and FSDP shards
+    the parameters over all 4 (2 data x 2 context) ranks; the report names the context ranks."""
+    psi = _psi()
+    fsdp, _, _ = _est(["strategy=fsdp"], 4)
+    cp, _, _ = _est(["strategy=fsdp", "strategy.cp=2"], 4)
+    assert not cp.problems, cp.problems
+    assert cp.activations == pytest.approx(fsdp.activations / 2)
+    assert cp.params == pytest.approx(fsdp.params) == pytest.approx(4 * psi / 4)
+    pure, _, _ = _est(["strategy=fsdp", "strategy.cp=2"], 2)
+    assert pure.params == pytest.approx(4 * psi / 2) and pure.buffers > 0  # a data-parallel degree of 1, sharded
+    assert P.main(MODEL + ["strategy=fsdp", "strategy.cp=2", "plan.world_size=2"]) == 0
+    assert "over 2 context ranks (ulysses)" in capsys.readouterr().out
+
+
+def test_expert_parallelism_gathers_a_share_of_each_blocks_experts(tmp_path):
+    """A tiny Mixtral under fsdp on 2 ranks: the same sharded states with and without strategy.ep=2, the
+    gathered-block buffer smaller by half of a block's experts (x 2 blocks: in use and prefetched); a dense model
+    is refused with the message training gives."""
+    from tests.archs import make_model_folder
+
+    make_model_folder("mixtral", tmp_path / "mixtral", seed=0)
+    model = ["model=hf", f"model.name_or_path={tmp_path / 'mixtral'}", "data.seq_len=32"]
+    cfg = compose_config(model + ["strategy=fsdp"])
+    info = registry.describe(cfg.model, registry.load_tokenizer(cfg.model))
+    base = P.estimate(cfg, 2, info)
+    ep = P.estimate(compose_config(model + ["strategy=fsdp", "strategy.ep=2"]), 2, info)
+    assert not ep.problems, ep.problems
+    assert (ep.params, ep.grads, ep.optimizer) == (base.params, base.grads, base.optimizer)
+    experts = P.count_parameters(P.meta_adapted(info.hf_config, cfg.peft)).block_experts
+    assert experts == 4 * 3 * 64 * 128  # 4 experts of gate, up and down projections
+    assert base.buffers - ep.buffers == pytest.approx(2 * 4 * experts / 2)
+    dense, _, _ = _est(["strategy=fsdp", "strategy.ep=2"], 2)
+    assert any("needs a mixture-of-experts model" in p for p in dense.problems)
