@@ -132,12 +132,13 @@ def _heads_to_seq(x: torch.Tensor, group, n: int) -> torch.Tensor:
 class ContextParallel:
     """The context group of this rank: shards each micro-batch and runs the model's attention across it."""
 
-    def __init__(self, mesh, impl: str, device: torch.device):
-        self.mesh, self.impl, self.device = mesh, impl, device
+    def __init__(self, mesh, impl: str):
+        self.mesh, self.impl = mesh, impl
         self.group, self.size, self.rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
         self.inner = "sdpa"  # the model's own attention implementation, which runs on whole sequences
         self.order = self.inverse = None  # of the batch in progress: natural index of each gathered token
         self.documents = self.positions = None  # [b, S] in natural order (documents: packed rows only)
+        self.masks = {}  # of the batch in progress, per sliding window: every layer with that window shares one
         self.calls = 0
         self.verified = False
 
@@ -180,6 +181,7 @@ class ContextParallel:
         self.inverse = torch.argsort(self.order)
         self.documents = None if packed is None else document_ids(packed)
         self.positions = positions
+        self.masks = {}
 
     @contextmanager
     def _ring_context(self, buffers):
@@ -234,6 +236,12 @@ class ContextParallel:
         sliding window; None where the kernel masks causally itself (SDPA without documents or window, flash)."""
         if self.inner.startswith("flash") or (self.inner == "sdpa" and self.documents is None and not window):
             return None
+        key = (window, q.dtype)
+        if key not in self.masks:
+            self.masks[key] = self._build_mask(q, window)
+        return self.masks[key]
+
+    def _build_mask(self, q: torch.Tensor, window: Optional[int]) -> torch.Tensor:
         idx = torch.arange(q.shape[2], device=q.device)
         allowed = idx[None, :] <= idx[:, None]
         if window:

@@ -16,7 +16,9 @@ picks for the device) on the local shards; the results sent back with the revers
 summed into the tokens with `index_add_`, as the eager forward combines.
 
 Gradients: a local expert's gradient is the sum over the tokens of the whole ep group (every ep rank's loss);
-it is not reduced over the ep group here. See `ep_grad_scale` for what a data-parallel caller must do.
+it is not reduced over the ep group here. A data-parallel caller reduces it over the ranks that hold the same
+experts only; where that reduction sums and each loss is its share of the global loss (Tessera's FSDP), no
+rescaling is needed (an averaging reduction would leave the experts' gradients ep times too large).
 """
 from __future__ import annotations
 
@@ -155,8 +157,8 @@ def apply_ep(model: nn.Module, ep_mesh) -> None:
 
     Gradients: a local expert's gradient is the sum over all the ep group's tokens, i.e. of the ep ranks'
     losses together; nothing reduces it over the ep group. The caller's data-parallel reduction of the expert
-    parameters runs over the data-parallel ranks that hold the same experts (one per ep group), so its scaling
-    must count the ep group's ranks: see `ep_grad_scale`."""
+    parameters runs over the data-parallel ranks that hold the same experts (one per ep group); see the module
+    docstring for its scaling."""
     n_ranks = ep_mesh.size()
     if n_ranks == 1:
         return
@@ -172,19 +174,6 @@ def apply_ep(model: nn.Module, ep_mesh) -> None:
                                                          requires_grad=p.requires_grad))
         experts._tessera_ep_mesh = ep_mesh
         experts.forward = types.MethodType(_ep_forward, experts)  # an instance attribute: names and class unchanged
-
-
-def ep_grad_scale(ep: int, summed: bool) -> float:
-    """The factor an FSDP/DDP caller applies to the expert parameters' gradients after its data-parallel
-    reduction (which, for them, runs over the dp ranks that hold the same experts: dp_size / ep ranks).
-
-    Each local expert's gradient already holds every ep rank's tokens. Where the reduction *sums* and each
-    rank's loss is its share of the global loss (Tessera: `set_gradient_divide_factor(1.0)`, loss divided by
-    the global token count), the sum over the expert-dp ranks is already the global gradient: 1.0. Where it
-    *averages* (FSDP's default divides by its mesh size, dp_size / ep for the experts against dp_size for the
-    rest), the experts' gradients come out ep times too large: 1/ep, or equivalently give the experts' FSDP
-    modules `set_gradient_divide_factor(dp_size)`, the full data-parallel size."""
-    return 1.0 if summed else 1.0 / ep
 
 
 def _routing_plan(expert_ids: torch.Tensor, num_experts: int, n_ranks: int, group):

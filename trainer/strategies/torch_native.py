@@ -140,7 +140,7 @@ class TorchNativeStrategy(Strategy):
                             f"fraction of the parameters, so shard the frozen base with strategy=fsdp or hsdp (or "
                             f"a ZeRO stage) instead")
         problems += cp_problems(cfg, info, dims, device_type(cfg.train.device))
-        problems += cls._ep_problems(cfg, info, dims)
+        problems += cls._ep_problems(cfg, dims, model)
         if dims.pp > 1 and cfg.data.packing == "documents":
             problems.append(f"data.packing=documents is not available with pipeline parallelism (strategy.pp="
                             f"{dims.pp}): the stages pass hidden states only, not the packed position ids; use "
@@ -153,11 +153,12 @@ class TorchNativeStrategy(Strategy):
         return problems
 
     @classmethod
-    def _ep_problems(cls, cfg, info, dims) -> List[str]:
-        """strategy.ep: the model's experts split that many ways, beside FSDP alone (with context parallelism)."""
+    def _ep_problems(cls, cfg, dims, model) -> List[str]:
+        """strategy.ep: the (meta) model's experts split that many ways, beside FSDP alone (with context
+        parallelism)."""
         if not dims.ep_enabled:
             return []
-        problems = ep_problems(info.hf_config, dims.ep)
+        problems = ep_problems(model, dims.ep)
         if dims.tp > 1 or dims.pp > 1:
             problems.append(f"strategy.ep={dims.ep} with tensor or pipeline parallelism (strategy.tp={dims.tp}, "
                             f"strategy.pp={dims.pp}) is not supported yet: the experts are split over data-parallel "
@@ -265,7 +266,7 @@ class TorchNativeStrategy(Strategy):
         else:
             self.dp_mesh = shard  # with local workers FSDP reduces inside the group only
         self._worker_group = self.dp_mesh.get_group() if self.independent_replicas and d.dp_size > 1 else None
-        self.cp = ContextParallel(mesh["cp"], s.cp_impl, self.device) if d.cp_enabled else None
+        self.cp = ContextParallel(mesh["cp"], s.cp_impl) if d.cp_enabled else None
         self.ep_mesh = self.experts_fsdp_mesh = None
         if d.ep_enabled:
             self.ep_mesh, self.experts_fsdp_mesh = self._expert_meshes(mesh)

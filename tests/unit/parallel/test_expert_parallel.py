@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, GptOssConfig, Llama4TextConfig
 
 from tests.archs import HEAD_DIM, HEADS, HIDDEN, INTERMEDIATE, KV_HEADS, VOCAB, llama, mixtral, qwen3_moe
 from trainer.parallel.dims import free_port
-from trainer.parallel.expert_parallel import apply_ep, ep_grad_scale, ep_problems, expert_modules
+from trainer.parallel.expert_parallel import apply_ep, ep_problems, expert_modules
 
 
 def gpt_oss():
@@ -231,7 +231,3 @@ def test_ep_problems():
     assert ep_problems(llama4, 2) == ["strategy.ep=2 can't split llama4_text's Llama4TextExperts: its forward does "
                                       "not take (hidden_states, top_k_index, top_k_weights) with a num_experts "
                                       "attribute"]
-
-
-def test_grad_scale():
-    assert ep_grad_scale(4, summed=True) == 1.0 and ep_grad_scale(4, summed=False) == 0.25
