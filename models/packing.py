@@ -29,9 +29,9 @@ class PackedForward:
     def __init__(self):
         self.verified = False
 
-    def __call__(self, model, input_ids: torch.Tensor, position_ids: torch.Tensor):
+    def __call__(self, model, input_ids: torch.Tensor, position_ids: torch.Tensor, **kwargs):
         if self.verified:
-            return model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+            return model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs)
         from transformers import masking_utils
 
         found = []
@@ -44,7 +44,7 @@ class PackedForward:
 
         masking_utils.find_packed_sequence_indices = watched
         try:
-            out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+            out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs)
         finally:
             masking_utils.find_packed_sequence_indices = detect
         packed = bool((torch.diff(position_ids, dim=-1) != 1).any())  # some row holds two pieces

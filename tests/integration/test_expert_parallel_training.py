@@ -1,8 +1,10 @@
 """Expert parallelism (strategy.ep) end to end with real processes on gloo, on the tiny Mixtral of the matrix: the
-experts split over 2 of 4 FSDP ranks, beside context parallelism and under hsdp train the in fp32 (loss and gradient norm within 1e-6 relative); a checkpoint written at ep=2 resumes at ep=1 (plain
-fsdp) and at ep=4 (one expert per rank) and continues the curve; a rank gathers only its share of each block's experts, as
-the planner says. (Every MoE architecture under ep=2 and the dense ones' refusal: test_architectures' `ep` layout;
-the expert dispatch against one process, block by block: tests/unit/parallel/test_expert_parallel.py.)"""
+experts split over 2 of 4 FSDP ranks, beside context parallelism, under hsdp and beside tensor parallelism train the
+one-process curve in fp32 (loss and gradient norm within 1e-6 relative); a checkpoint written at ep=2 resumes at ep=1
+(plain fsdp) and at ep=4 (one expert per rank) and continues the curve; a rank gathers only its share of each block's
+experts, as the planner says; the router's load-balancing loss counts once (cp x ep, ZeRO-2). (Every MoE
+architecture under ep=2 and the dense ones' refusal: test_architectures' `ep` layout; the expert dispatch against
+one process, block by block: tests/unit/parallel/test_expert_parallel.py.)"""
 from __future__ import annotations
 
 import json
@@ -40,6 +42,8 @@ CASES = {
     "fsdp4_x_ep2": ["strategy=fsdp", "strategy.ep=2"],
     "cp2_x_ep2": ["strategy=fsdp", "strategy.cp=2", "strategy.ep=2"],
     "hsdp2x2_x_ep2": ["strategy=hsdp", "strategy.dp_replicate=2", "strategy.dp_shard=2", "strategy.ep=2"],
+    # attention split over tp; each tp rank of an expert rank holds its experts (an (ep, tp) mesh, Replicate on tp)
+    "fsdp2_x_tp2_x_ep2": ["strategy=fsdp_tp", "strategy.tp=2", "strategy.ep=2"],
 }
 
 
@@ -113,3 +117,35 @@ def test_a_rank_gathers_only_its_share_of_the_experts_as_planned(mixtral, tmp_pa
     assert planned[1] - planned[2] == pytest.approx(blocks_counted * 4 * experts / 2)
     print(f"gathered per rank (bytes): ep=1 {ranks[1][0]['gathered']}, ep=2 {ranks[2][0]['gathered']}; "
           f"experts per block {experts} parameters; planned buffers {planned[1]:.0f} -> {planned[2]:.0f}")
+
+
+AUX = ["model.router_aux_loss_coef=0.1"]
+AUX_CASES = {  # the term counted once: over context ranks (totals), expert ranks, and DeepSpeed's averaging
+    "cp2_x_ep2": ("torchrun", 4, ["strategy=fsdp", "strategy.cp=2", "strategy.ep=2"]),
+    "zero2": ("deepspeed", 2, ["strategy=zero2"]),
+}
+
+
+@pytest.fixture(scope="module")
+def aux_reference(mixtral, tmp_path_factory):
+    run = tmp_path_factory.mktemp("aux-single")
+    ok(launch("python", _overrides(mixtral, ["strategy=single", *AUX]), run))
+    return metrics(run)
+
+
+@pytest.mark.parametrize("name", AUX_CASES)
+def test_the_router_load_balancing_loss_counts_once_on_every_layout(mixtral, reference, aux_reference, tmp_path,
+                                                                     name):
+    """model.router_aux_loss_coef=0.1: the load-balancing term of each micro-batch's whole sequences, averaged over
+    micro-batches and data-parallel ranks, joins the gradient; the curve and the logged term are one process's
+    (whose term equals transformers' own: tests/unit/run/test_router_loss.py), and the gradient is not the one
+    without the term."""
+    launcher, nproc, extra = AUX_CASES[name]
+    ok(launch(launcher, _overrides(mixtral, [*extra, *AUX]), tmp_path, nproc=nproc))
+    recs = metrics(tmp_path)
+    check_parity(f"router aux loss {name}", recs, aux_reference, steps=STEPS)
+    for r, ref in zip(recs, aux_reference):
+        assert r["router_aux_loss"] == pytest.approx(ref["router_aux_loss"], rel=1e-6)
+        assert r["router_aux_loss"] > 1.0  # num_experts x sum f P: 1 when balanced, here about 2
+    assert max(abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"] for a, b in zip(aux_reference, reference)) > 1e-4
+    assert "router_aux_loss" not in reference[0]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import Field, dataclass, field, fields
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
@@ -19,8 +19,8 @@ from omegaconf import DictConfig, OmegaConf
 def documented(default: Any, meaning: str) -> Any:
     """A schema field with its one-line meaning. docs/config.md is generated from these
     (`python -m trainer.config_reference --write`), and tests/unit/config/test_docs.py fails on a field without one."""
-    if isinstance(default, list):  # dataclasses refuse a shared mutable default
-        return field(default_factory=lambda: list(default), metadata={"help": meaning})
+    if isinstance(default, (list, dict)):  # dataclasses refuse a shared mutable default
+        return field(default_factory=lambda: type(default)(default), metadata={"help": meaning})
     return field(default=default, metadata={"help": meaning})
 
 
@@ -54,6 +54,9 @@ class ModelConfig:
     tie_word_embeddings: bool = documented(False, "Preset: the LM head shares the input embedding's weight.")
     rope_theta: float = documented(10000.0, "Preset (llama): RoPE base frequency.")
     initializer_range: float = documented(0.02, "Preset: init std of the weights.")
+    router_aux_loss_coef: Optional[float] = documented(None, "Mixture of experts: weight of the router's "
+                                                             "load-balancing loss; null = the model config's own "
+                                                             "when output_router_logits, else 0.")
 
 
 @dataclass
@@ -63,6 +66,8 @@ class MixtureSource:
                                    "(token stores).")
     path: Optional[str] = documented(None, "A file, folder or glob, or several separated by commas.")
     text_field: str = documented("text", "kind=text: the field of JSON/JSONL/parquet records that holds the text.")
+    columns: Dict[str, str] = documented({}, "kind=sft: as data.columns, for this source.")
+    roles: Dict[str, str] = documented({}, "kind=sft: as data.roles, for this source.")
     weight: Optional[float] = documented(None, "Share of every global batch (relative); null on every source: by "
                                                "size, with data.temperature.")
 
@@ -99,6 +104,10 @@ class DataConfig:
     embedded_documents: int = documented(4000, "kind=embedded: generated documents in the corpus.")
     chat_template: Optional[str] = documented(None, "kind=sft: chat template (Jinja); null = the tokenizer's "
                                                     "own, else Tessera's documented default.")
+    columns: Dict[str, str] = documented({}, "kind=sft: Tessera's field name -> your records' ({messages: dialog, "
+                                             "role: speaker, instruction: question, ...}); docs/data.md.")
+    roles: Dict[str, str] = documented({}, "kind=sft: your records' role names -> Tessera's (system, user, assistant, "
+                                           "tool), e.g. {bot: assistant, person: user}.")
     max_records: Optional[int] = documented(None, "Cap on documents/records read (null = all), for quick runs on "
                                                   "big data.")
     document_separator: Optional[str] = documented(None, "Plain-text files: what ends a document (null = one or "
@@ -107,7 +116,8 @@ class DataConfig:
     max_document_chars: int = documented(100_000, "Documents are tokenized in pieces of at most this many "
                                                   "characters (cut at whitespace), kept as one document.")
     sources: List[MixtureSource] = documented([], "kind=mixture: the tasks, [{name, kind, path, text_field, "
-                                                  "weight}, ...]; each its own data, split and loss.")
+                                                  "columns, roles, weight}, ...]; each its own data, split and "
+                                                  "loss.")
     temperature: float = documented(1.0, "kind=mixture without weights: a source's share is proportional to its "
                                          "sequences^(1/temperature).")
     packing: str = documented("eos", "eos: text joined by EOS and cut, one SFT example per sequence; documents: "
@@ -371,9 +381,17 @@ def schema_fields() -> List[Tuple[str, Field]]:
             for group in fields(TesseraConfig) for key in fields(group.default_factory)]
 
 
+# Keys whose value is a mapping of the user's names: they take keys the empty default lacks from the command line
+# (data.columns={messages: dialog}), which Hydra's struct mode refuses elsewhere.
+OPEN_MAPPINGS = ("data.columns", "data.roles")
+
+
 def register_configs() -> None:
     """Make the schema known to Hydra; conf/config.yaml lists `tessera_schema` first in its defaults."""
-    ConfigStore.instance().store(name="tessera_schema", node=TesseraConfig)
+    node = OmegaConf.structured(TesseraConfig)
+    for key in OPEN_MAPPINGS:
+        OmegaConf.set_struct(OmegaConf.select(node, key), False)
+    ConfigStore.instance().store(name="tessera_schema", node=node)
 
 
 def to_object(cfg: DictConfig | TesseraConfig) -> TesseraConfig:
@@ -429,6 +447,7 @@ RANGES = {
     "model.max_position_embeddings": _positive(),
     "model.rope_theta": _positive(),
     "model.initializer_range": _positive("the init std of the preset's weights"),
+    "model.router_aux_loss_coef": _at_least(0, "0 = off; null = the model config's own"),
     "data.seq_len": _positive(),
     "data.temperature": _positive(),
     "data.follow_replay": _between(0, 1, hi_open=True),
@@ -605,10 +624,12 @@ def validate(cfg: TesseraConfig, world_size: int) -> List[str]:
     problems += mixture_problems(cfg.data)
     problems += peft_problems(cfg)
     from trainer.data.follow import follow_problems  # the schema loads without torch (launch.sh reads it)
+    from trainer.data.sources import mapping_problems  # (as above: the data modules load when validating)
     from trainer.data.streaming import streaming_problems  # (as above: torch only once validating)
 
     problems += follow_problems(cfg)
     problems += streaming_problems(cfg)
+    problems += mapping_problems(cfg.data)
     if cfg.model.kind == "hf" and not cfg.model.name_or_path:
         problems.append("model.name_or_path must be set for model=hf (a local folder or a hub id)")
     if cfg.model.kind != "hf":

@@ -197,7 +197,8 @@ def build_data(cfg, tokenizer, vocab_size: int, log: Callable[[str], None] = pri
         return StreamData(d, tokenizer, cfg.eval.max_sequences if evaluates else 0)
     if d.kind == "mixture":
         return build_mixture(d, [_build_source(dataclasses.replace(d, kind=src.kind, path=src.path,
-                                                                   text_field=src.text_field, sources=[]),
+                                                                   text_field=src.text_field, columns=src.columns,
+                                                                   roles=src.roles, sources=[]),
                                                tokenizer, vocab_size, log, where=f"data.sources[{i}] ({src.name})")
                                  for i, src in enumerate(d.sources)])
     return _build_source(d, tokenizer, vocab_size, log)
@@ -332,5 +333,5 @@ def _text_items(d, tokenizer):
 
 
 def _sft_items(d, tokenizer):
-    for _, messages in sources.iter_sft_records(d):
-        yield sft.encode_conversation(tokenizer, messages)
+    for _, conv in sources.iter_sft_records(d):
+        yield sft.encode_conversation(tokenizer, conv.messages, conv.tools)

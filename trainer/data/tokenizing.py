@@ -95,6 +95,7 @@ def plan_of(src: Source, fingerprint: str, vocab_size: int, shard_bytes: int, sh
         identity["hub"] = [d.name, d.config_name, d.split, d.revision]
     if d.kind == "sft":
         identity["chat_template"] = src.tokenizer.chat_template
+        identity.update({k: dict(getattr(d, k)) for k in ("columns", "roles") if getattr(d, k)})  # where set only
     if not specs:
         raise DataError("the data source has no documents or records to tokenize")
     return {"format": S.STORE_FORMAT, "version": S.STORE_VERSION, "kind": store_kind(d), "source": identity,
@@ -157,8 +158,8 @@ def shard_items(spec: dict, src: Source) -> Iterator[Tuple[np.ndarray, Optional[
     if d.kind == "embedded":
         texts = embedded_documents(d.embedded_documents)[records.start:records.stop]
     elif d.kind == "sft":
-        for _, messages in sources.sft_messages(src.record_source(), records):
-            ids, mask = sft.encode_conversation(src.tokenizer, messages)
+        for _, conv in sources.sft_messages(src.record_source(), records):
+            ids, mask = sft.encode_conversation(src.tokenizer, conv.messages, conv.tools)
             yield ids, mask, True
         return
     else:

@@ -4,7 +4,8 @@ transformers' fused `@use_experts_implementation` classes store them) over the e
 each token to the rank that holds its expert (dropless: every assignment is computed, none is capped).
 
 Layout: each per-expert parameter becomes a DTensor sharded Shard(0) over `ep_mesh`; rank r keeps experts
-[r*E/N, (r+1)*E/N). Parameter names are unchanged, so DCP checkpoints and `full_tensor()` exports keep the
+[r*E/N, (r+1)*E/N). Under tensor parallelism the mesh is (ep, tp) and the experts Replicate over tp: the tp ranks
+of an expert rank see the same tokens and compute the same (attention is what tp splits). Parameter names are unchanged, so DCP checkpoints and `full_tensor()` exports keep the
 model's own layout.
 
 Forward (replacing the experts module's, with the same signature `(hidden_states [T, H], top_k_index [T, k],
@@ -30,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from models.init import meta_model
 from tessera.errors import ConfigError
@@ -143,15 +144,18 @@ def ep_problems(model_config_or_model, ep: int) -> List[str]:
 
 
 def _shard(param: torch.Tensor, mesh, rank: int, per_rank: int) -> DTensor:
-    """This rank's experts [rank*per_rank, (rank+1)*per_rank) of a full (or meta) tensor, as a Shard(0) DTensor
-    of the full shape; each rank holds the same full tensor, so no communication is needed."""
-    local = param.detach()[rank * per_rank:(rank + 1) * per_rank].clone()  # own storage: the full one can go
-    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=param.shape, stride=param.stride())
+    """This rank's experts [rank*per_rank, (rank+1)*per_rank) of a full (or meta) tensor, as a DTensor of the full
+    shape, Shard(0) over the mesh's first (ep) dimension, Replicate over a second (tp); each rank holds the same
+    full tensor (tensor parallelism's replicated DTensor), so no communication is needed."""
+    whole = param.detach().to_local() if isinstance(param, DTensor) else param.detach()
+    local = whole[rank * per_rank:(rank + 1) * per_rank].clone()  # own storage: the full one can go
+    placements = [Shard(0)] + [Replicate()] * (mesh.ndim - 1)
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=param.shape, stride=param.stride())
 
 
 def apply_ep(model: nn.Module, ep_mesh) -> None:
-    """Split every experts module of `model` over the 1-D DeviceMesh `ep_mesh` (its ranks are data-parallel ranks
-    that each feed their own tokens): per-expert parameters become Shard(0) DTensors, on the meta device too
+    """Split every experts module of `model` over the DeviceMesh `ep_mesh`, 1-D or (ep, tp) (its ep ranks are
+    data-parallel ranks that each feed their own tokens): per-expert parameters become Shard(0) DTensors, on the meta device too
     (the model is filled later), and the module's forward routes tokens to the experts' ranks. A no-op when the
     mesh has one rank. Raises ConfigError with `ep_problems`' messages when the model can't be split.
 
@@ -159,6 +163,7 @@ def apply_ep(model: nn.Module, ep_mesh) -> None:
     losses together; nothing reduces it over the ep group. The caller's data-parallel reduction of the expert
     parameters runs over the data-parallel ranks that hold the same experts (one per ep group); see the module
     docstring for its scaling."""
+    placed, ep_mesh = ep_mesh, ep_mesh["ep"] if ep_mesh.ndim > 1 else ep_mesh
     n_ranks = ep_mesh.size()
     if n_ranks == 1:
         return
@@ -170,7 +175,7 @@ def apply_ep(model: nn.Module, ep_mesh) -> None:
     for _, experts in expert_modules(model):
         per_rank = _expert_count(experts) // n_ranks
         for key, p in list(experts.named_parameters(recurse=False)):
-            experts.register_parameter(key, nn.Parameter(_shard(p, ep_mesh, rank, per_rank),
+            experts.register_parameter(key, nn.Parameter(_shard(p, placed, rank, per_rank),
                                                          requires_grad=p.requires_grad))
         experts._tessera_ep_mesh = ep_mesh
         experts.forward = types.MethodType(_ep_forward, experts)  # an instance attribute: names and class unchanged

@@ -78,9 +78,10 @@ def count_parameters(model, tp: int = 1) -> Counts:
     plan = plans.tp_plan(model, tp) if tp > 1 else None
     tp_split = {}
     if plan:
+        whole = {id(p) for _, m in expert_modules(model) for p in m.parameters()}  # experts stay whole under tp
         for name, p in params.items():
             module = name.rpartition(".")[0]
-            if any(fnmatch.fnmatch(module, pattern.replace("*", "[0-9]*")) for pattern in plan):
+            if id(p) not in whole and any(fnmatch.fnmatch(module, pattern.replace("*", "[0-9]*")) for pattern in plan):
                 tp_split[name] = p.numel()
     other = total - sum(block_counts) - first - last
     experts = [sum(p.numel() for _, m in expert_modules(b) for p in m.parameters()) for _, b in blocks]

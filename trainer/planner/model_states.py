@@ -79,8 +79,8 @@ def native_states(est, cfg, dims, counts, rank_params: float) -> None:
     est.params = 4 * rank_params / shard
     est.grads = 4 * rank_params / shard
     est.optimizer = optimizer_bytes_per_param(cfg) * rank_params / shard
-    # expert parallelism: a block gathers only this rank's 1/ep of its experts (the rest stay on their ranks)
-    block = (counts.largest_block - counts.block_experts * (1 - 1 / dims.ep)) / max(dims.tp, 1)
+    # a block gathers its tensor-parallel part and, of its experts (whole under tp), this rank's 1/ep
+    block = (counts.largest_block - counts.block_experts) / max(dims.tp, 1) + counts.block_experts / dims.ep
     if dims.dp_size > 1 or dims.cp > 1:
         est.buffers = gathered_dtype * (rank_params if not s.reshard_after_forward else 2 * block)
     anchor, outer = sync_state_bytes(cfg, rank_params / shard)

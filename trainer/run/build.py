@@ -42,6 +42,7 @@ from trainer.observe.trackers import config_problems as tracker_problems, open_t
 from trainer.run.agreement import check_agreement
 from trainer.run.optim import build_optimizer, build_scheduler
 from trainer.run.precision import Precision
+from trainer.run.router_loss import RouterBalance, aux_loss_coef, router_loss_problems, routes_tokens
 from trainer.run.state import DataPosition, RandomState, TrainState
 from trainer.resilience.preemption import StopRequest
 from trainer.exporting.snapshots import Snapshots
@@ -98,6 +99,7 @@ def check(cfg: C.TesseraConfig, world_size: int):
                 problems += lora.model_problems(cfg, info.hf_config)
             if buildable and cls is not None and dims is not None:
                 problems += cls.model_problems(cfg, info, dims)
+                problems += router_loss_problems(cfg, info.hf_config, dims)
         except ModelError as e:
             problems.append(str(e))
     if problems:
@@ -251,6 +253,7 @@ def _build_model(p: Prepared, device, rank: int):
     # LoRA goes in before any parallelism: every strategy then wraps the adapted model as it would the model
     adapters = lora.inject(model, cfg.peft, cfg.model.name_or_path) if cfg.peft.name != "none" else None
     strategy.use_adapters(adapters)
+    strategy.use_router_balance(_router_balance(cfg, p.model_info.hf_config, model))
     num_params = registry.count_parameters(model)
     # memory.json only: ZeRO-3 / FSDP hold their part only
     built_param_bytes = built_parameter_bytes(model) if cfg.logging.memory_report else 0
@@ -267,6 +270,18 @@ def _build_model(p: Prepared, device, rank: int):
     scheduler = build_scheduler(cfg, strategy.optimizer)
     desc = f"{cfg.model.kind}:{cfg.model.name_or_path or 'preset'} {num_params / 1e6:.2f}M params"
     return strategy, ModelFacts(p.model_info, num_params, p.model_shapes, desc, built_param_bytes), scheduler
+
+
+def _router_balance(cfg, hf_config, model):
+    """A mixture of experts' RouterBalance, hooked on `model`'s routers: where its load-balancing loss is on, or the
+    model's config asks for router logits (the model would compute a loss Tessera does not use); else None."""
+    coef = aux_loss_coef(cfg.model, hf_config)
+    if not routes_tokens(hf_config) or (coef == 0 and not getattr(hf_config, "output_router_logits", False)):
+        return None
+    router = RouterBalance(coef, hf_config)
+    if coef > 0:
+        router.attach(model)
+    return router
 
 
 def _open_logs(p: Prepared, strategy, facts: ModelFacts, device, rank: int) -> MetricsLogger:

@@ -152,6 +152,9 @@ def log_record(run, result: StepResult, meters: _Meters, comm) -> dict:
     if task_sums is not None:
         record["tasks"] = {name: {"loss": float(s / n) if n else None, "tokens": int(n)}
                            for name, (s, n) in zip(run.data.tasks, task_sums.tolist())}
+    aux = strategy.router_aux_loss()  # a mixture of experts' load-balancing term (model.router_aux_loss_coef)
+    if aux is not None:
+        record["router_aux_loss"] = aux
     if strategy.caps.counts_all_collectives:
         record.update(comm.take() or {})
     if strategy.precision.loss_scale is not None:

@@ -12,23 +12,41 @@ from trainer.data.datasets import IGNORE
 PACKED_FORWARD = PackedForward()  # one per process: the first packed batch checks the model
 
 
-def token_loss_sum(model, batch: dict, precision, tasks=None) -> torch.Tensor:
+def token_loss_sum(model, batch: dict, precision, tasks=None, router=None) -> torch.Tensor:
     """Sum of next-token cross-entropies over the micro-batch's target tokens (fp32). With `tasks` (TaskLosses)
-    and rows that carry their task (data.kind=mixture), each row's sum is also added to its task's."""
+    and rows that carry their task (data.kind=mixture), each row's sum is also added to its task's. `router`: the
+    model's RouterBalance, whose forward arguments it takes (no load-balancing term)."""
     with precision.autocast():
-        if "position_ids" in batch:  # data.packing=documents: attention stays inside each packed document
-            logits = PACKED_FORWARD(model, batch["input_ids"], batch["position_ids"]).logits
-        elif "shard_position_ids" in batch:  # strategy.cp: a shard of each sequence (documents kept apart there)
-            logits = model(input_ids=batch["input_ids"], position_ids=batch["shard_position_ids"],
-                           use_cache=False).logits
-        else:
-            logits = model(input_ids=batch["input_ids"], use_cache=False).logits
-    labels = batch["labels"]
-    if tasks is None or "task" not in batch:
+        logits = _forward(model, batch, router.forward_kwargs if router is not None else {}).logits
+    return _cross_entropy_sum(logits, batch["labels"], tasks, batch.get("task"))
+
+
+def micro_batch_losses(model, batch: dict, precision, tasks=None, router=None, cp=None):
+    """(token cross-entropy sum, the router's load-balancing term or None): with `router` (RouterBalance, its
+    coef > 0) its term from the routers' logits (`cp`: the ContextParallel whose ranks hold the other parts of the
+    sequences)."""
+    if router is None or router.coef == 0:
+        return token_loss_sum(model, batch, precision, tasks, router), None
+    with precision.autocast(), router.capturing() as router_logits:
+        logits = _forward(model, batch, router.forward_kwargs).logits
+    return _cross_entropy_sum(logits, batch["labels"], tasks, batch.get("task")), router.term(router_logits, cp)
+
+
+def _forward(model, batch: dict, extra: dict):
+    if "position_ids" in batch:  # data.packing=documents: attention stays inside each packed document
+        return PACKED_FORWARD(model, batch["input_ids"], batch["position_ids"], **extra)
+    if "shard_position_ids" in batch:  # strategy.cp: a shard of each sequence (documents kept apart there)
+        return model(input_ids=batch["input_ids"], position_ids=batch["shard_position_ids"], use_cache=False,
+                     **extra)
+    return model(input_ids=batch["input_ids"], use_cache=False, **extra)
+
+
+def _cross_entropy_sum(logits, labels, tasks, task) -> torch.Tensor:
+    if tasks is None or task is None:
         return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
     per_token = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
                                 reduction="none").view(labels.shape)
-    tasks.add(per_token.detach().sum(1), (labels != IGNORE).sum(1), batch["task"])
+    tasks.add(per_token.detach().sum(1), (labels != IGNORE).sum(1), task)
     return per_token.sum()
 
 

@@ -23,7 +23,7 @@ from trainer.checkpoint.saved import SavedCheckpoint, groups_by_name
 from trainer.parallel.blocks import apply_activation_checkpointing, apply_compile
 from trainer.parallel.context_parallel import sharded_or_whole
 from trainer.parallel.grad_norm import clip_to_norm, grad_square_sum
-from trainer.run.loss import TaskLosses, to_device, token_loss_sum
+from trainer.run.loss import TaskLosses, micro_batch_losses, to_device, token_loss_sum
 from trainer.strategies.capabilities import Capabilities
 
 
@@ -42,6 +42,7 @@ class Strategy:
         self.independent_replicas = cfg.sync.name != "every_step"
         self.tasks = None  # TaskLosses of the step in progress (data.kind=mixture; track_tasks)
         self.adapters = None  # peft=lora: models.lora.Adapters of the model (set before setup)
+        self.router = None  # a mixture of experts' load-balancing loss: trainer/run/router_loss.RouterBalance
         # strategy.cp > 1: trainer/parallel/context_parallel.ContextParallel (each rank a shard of every sequence)
         self.cp = None
 
@@ -81,6 +82,17 @@ class Strategy:
         """peft=lora: the models.lora.Adapters injected into the model, before setup (checkpoints and exports then
         hold the adapters, the frozen base coming from the model's own weights)."""
         self.adapters = adapters
+
+    def use_router_balance(self, router) -> None:
+        """Add a mixture of experts' router load-balancing term (RouterBalance, or None: off) to each micro-batch's
+        loss."""
+        self.router = router
+
+    def router_aux_loss(self):
+        """The mean load-balancing term of the last step's micro-batches over all data-parallel ranks, or None."""
+        if self.router is None or self.router.sum is None:
+            return None
+        return float(self.dp_sum(self.router.sum)) / (self.router.count * self.dp_size)
 
     def model_construction(self, pretrained: bool):
         """Context in which the model is built (and pretrained weights loaded); sharding strategies make each
@@ -141,17 +153,25 @@ class Strategy:
         cross-entropies over the global batch divided by its target-token count, so each micro-batch's sum is
         divided by the global count (never a mean of per-micro-batch means), times `grad_weight` (a local-SGD
         worker's gradient stands for all the workers'). Returns the local CE sum."""
-        total = torch.zeros((), device=self.device)
-        if self.tasks is not None:
-            self.tasks.reset()
+        total = self.begin_step()
         for i, batch in enumerate(micro_batches):
             batch = {k: to_device(v, self.device) for k, v in batch.items()}
             with self.accumulation_context(i == len(micro_batches) - 1), sharded_or_whole(self.cp, batch) as batch:
-                ce_sum = token_loss_sum(self.model, batch, self.precision, self.tasks)
-                self.backward(ce_sum / num_target_tokens if grad_weight == 1.0 else
-                              ce_sum * grad_weight / num_target_tokens)
+                ce_sum, term = micro_batch_losses(self.model, batch, self.precision, self.tasks, self.router, self.cp)
+                loss = ce_sum / num_target_tokens if grad_weight == 1.0 else ce_sum * grad_weight / num_target_tokens
+                if term is not None:  # the mean of the micro-batches' terms over every data-parallel rank
+                    loss = loss + term * (self.router.coef * grad_weight / (len(micro_batches) * self.dp_size))
+                self.backward(loss)
             total += ce_sum.detach()
         return self.cp.total(total) if self.cp is not None else total
+
+    def begin_step(self) -> torch.Tensor:
+        """Reset the per-step sums (tasks, router terms); returns the step's zero CE total."""
+        if self.tasks is not None:
+            self.tasks.reset()
+        if self.router is not None:
+            self.router.reset()
+        return torch.zeros((), device=self.device)
 
     def backward(self, loss: torch.Tensor) -> None:
         self.precision.scale(loss).backward()
@@ -180,7 +200,7 @@ class Strategy:
         for batch in micro_batches:
             batch = {k: v.to(self.device) for k, v in batch.items()}
             with sharded_or_whole(self.cp, batch) as batch:
-                total += token_loss_sum(self.model, batch, self.precision)
+                total += token_loss_sum(self.model, batch, self.precision, router=self.router)
         return self.cp.total(total) if self.cp is not None else total
 
     # ---- collectives over the data-parallel ranks ------------------------------------------------------

@@ -34,7 +34,7 @@ from trainer.checkpoint.saved import SavedCheckpoint
 from trainer.config.schema import ZERO_PLUS_PLUS_OFF
 from trainer.data.store import file_lock
 from trainer.launch import ds_ops
-from trainer.run.loss import to_device, token_loss_sum
+from trainer.run.loss import micro_batch_losses, to_device
 from trainer.run.precision import Precision
 from trainer.strategies.base import Strategy
 from trainer.strategies.capabilities import Capabilities
@@ -396,14 +396,15 @@ class DeepSpeedStrategy(Strategy):
                     targets[name].data.copy_(value)
 
     def forward_backward(self, micro_batches, num_target_tokens: int, grad_weight: float = 1.0) -> torch.Tensor:
-        total = torch.zeros((), device=self.device)
-        if self.tasks is not None:
-            self.tasks.reset()
+        total = self.begin_step()
         for i, batch in enumerate(micro_batches):
             batch = {k: to_device(v, self.device) for k, v in batch.items()}
-            ce_sum = token_loss_sum(self.engine, batch, self.precision, self.tasks)
+            ce_sum, term = micro_batch_losses(self.engine, batch, self.precision, self.tasks, self.router)
             # x dp: DeepSpeed averages over the data-parallel ranks; scale_wrt_gas=False: no 1/accumulation.
-            self.engine.backward(ce_sum * (self.dp_size / num_target_tokens), scale_wrt_gas=False)
+            loss = ce_sum * (self.dp_size / num_target_tokens)
+            if term is not None:  # the mean of the micro-batches' terms (DeepSpeed averages over the ranks)
+                loss = loss + term * (self.router.coef / len(micro_batches))
+            self.engine.backward(loss, scale_wrt_gas=False)
             if self._snap_backward_end is not None and i == len(micro_batches) - 1:
                 self._snap_backward_end("backward_end")  # memory report only: gradients reduced, not yet stepped
             self.engine.step()  # an optimizer step only at the accumulation boundary (the last micro-batch)

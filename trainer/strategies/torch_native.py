@@ -159,10 +159,10 @@ class TorchNativeStrategy(Strategy):
         if not dims.ep_enabled:
             return []
         problems = ep_problems(model, dims.ep)
-        if dims.tp > 1 or dims.pp > 1:
-            problems.append(f"strategy.ep={dims.ep} with tensor or pipeline parallelism (strategy.tp={dims.tp}, "
-                            f"strategy.pp={dims.pp}) is not supported yet: the experts are split over data-parallel "
-                            f"ranks beside FSDP alone; use strategy=fsdp or hsdp (with strategy.cp if you like)")
+        if dims.pp > 1:
+            problems.append(f"strategy.ep={dims.ep} with pipeline parallelism (strategy.pp={dims.pp}) is not "
+                            f"supported yet: the experts are split over data-parallel ranks; use strategy=fsdp, "
+                            f"hsdp or fsdp_tp (with strategy.cp if you like)")
         if cfg.sync.name != "every_step":
             problems.append(f"strategy.ep={dims.ep} with sync={cfg.sync.name} is not supported: the experts of one "
                             f"replica are split over its ranks; use sync=every_step")
@@ -272,13 +272,15 @@ class TorchNativeStrategy(Strategy):
             self.ep_mesh, self.experts_fsdp_mesh = self._expert_meshes(mesh)
 
     def _expert_meshes(self, mesh):
-        """(ep mesh, the experts' FSDP mesh): the dp_shard x cp ranks split into (dp_mod_ep, ep), expert-parallel
-        ranks innermost, as one mesh (FSDP's 2-D sharding of the experts needs both from one root)."""
+        """(the experts' mesh, their FSDP mesh): the dp_shard x cp ranks split into (dp_mod_ep, ep), expert-parallel
+        ranks innermost, as one mesh (FSDP's 2-D sharding of the experts needs both from one root). With tensor
+        parallelism the experts' mesh is (ep, tp): every tp rank of an expert rank holds its experts whole."""
         d = self.dims
         ranks = mesh.mesh.reshape(d.pp, d.dp_replicate, d.dp_shard * d.cp // d.ep, d.ep, d.tp)
         experts = DeviceMesh(self.device.type, ranks, mesh_dim_names=("pp", "dp_replicate", "dp_mod_ep", "ep", "tp"))
         hsdp = d.dp_replicate_enabled or self.cfg.strategy.name == "hsdp"
-        return experts["ep"], experts["dp_replicate", "dp_mod_ep"] if hsdp else experts["dp_mod_ep"]
+        placed = experts["ep", "tp"] if d.tp_enabled else experts["ep"]
+        return placed, experts["dp_replicate", "dp_mod_ep"] if hsdp else experts["dp_mod_ep"]
 
     def _cut_stages(self, model) -> None:
         """This rank's pipeline stages as parts of the model (the whole model without pipeline parallelism)."""

@@ -344,6 +344,7 @@ RANGE_CASES = [
     ("model.intermediate_size=-64", "model.intermediate_size=-64 must be > 0"),
     ("model.max_position_embeddings=0", "model.max_position_embeddings=0 must be > 0"),
     ("model.rope_theta=-1", "model.rope_theta=-1.0 must be > 0"),
+    ("model.router_aux_loss_coef=-0.01", "model.router_aux_loss_coef=-0.01 must be >= 0 (0 = off; null = the model config's own)"),
     ("model.initializer_range=0", "model.initializer_range=0.0 must be > 0"),
     ("data.seq_len=0", "data.seq_len=0 must be > 0"),
     ("data.temperature=0", "data.temperature=0.0 must be > 0"),

@@ -231,3 +231,25 @@ def test_ep_problems():
     assert ep_problems(llama4, 2) == ["strategy.ep=2 can't split llama4_text's Llama4TextExperts: its forward does "
                                       "not take (hidden_states, top_k_index, top_k_weights) with a num_experts "
                                       "attribute"]
+
+
+def test_expert_parallelism_beside_tensor_parallelism_passes_the_checks_and_beside_pipelines_is_refused(tmp_path):
+    """Every check before any process group (trainer/run/build.check): ep with tp is a layout (the experts on an
+    (ep, tp) mesh, tests/integration/test_expert_parallel_training.py); with pp it is refused, as is the router's
+    load-balancing loss."""
+    from tessera.errors import ConfigError
+    from tests.archs import make_model_folder
+    from tests.conftest import compose_config as compose
+    from trainer.run.build import check
+
+    model = ["model=hf", f"model.name_or_path={make_model_folder('mixtral', tmp_path / 'mixtral')}",
+             "train.global_batch_size=8", "train.micro_batch_size=2"]
+    dims = check(compose([*model, "strategy=fsdp_tp", "strategy.tp=2", "strategy.ep=2"]), 4)[0]
+    assert (dims.dp_shard, dims.tp, dims.ep) == (2, 2, 2)
+    with pytest.raises(ConfigError) as refused:
+        check(compose([*model, "strategy=pp_fsdp", "strategy.pp=2", "strategy.dp_shard=2", "strategy.ep=2",
+                       "model.router_aux_loss_coef=0.01"]), 4)
+    problems = str(refused.value)
+    assert "strategy.ep=2 with pipeline parallelism (strategy.pp=2) is not supported yet" in problems
+    assert "the router's load-balancing loss (model.router_aux_loss_coef=0.01) is not available with pipeline" in \
+        problems

@@ -169,3 +169,11 @@ def test_expert_parallelism_gathers_a_share_of_each_blocks_experts(tmp_path):
     assert base.buffers - ep.buffers == pytest.approx(2 * 4 * experts / 2)
     dense, _, _ = _est(["strategy=fsdp", "strategy.ep=2"], 2)
     assert any("needs a mixture-of-experts model" in p for p in dense.problems)
+    # Beside tensor parallelism (4 ranks, tp=2) the experts stay whole on each tp rank: the sharded parameters are
+    # what memory.json measured for this model (879,744 B per rank, with and without ep=2), and ep=2 still
+    # gathers half of each block's experts.
+    tp_model = model + ["strategy=fsdp_tp", "strategy.tp=2"]
+    tp_plain = P.estimate(compose_config(tp_model), 4, info)
+    tp_ep = P.estimate(compose_config(tp_model + ["strategy.ep=2"]), 4, info)
+    assert not tp_ep.problems and tp_plain.params == tp_ep.params == 879_744
+    assert tp_plain.buffers - tp_ep.buffers == pytest.approx(2 * 4 * experts / 2)
