@@ -354,6 +354,20 @@ class PeftConfig:
 
 
 @dataclass
+class ObjectiveConfig:
+    # docs/preference-training.md: the preference losses (trainer/objectives/preference.py) train on data=preference.
+    name: str = documented("lm", "lm (next-token cross-entropy), or a preference loss on data=preference: dpo, ipo, "
+                                 "simpo, orpo.")
+    beta: float = documented(0.1, "dpo/ipo/simpo/orpo: the methods' beta (DPO's KL weight; ORPO's lambda on the "
+                                  "odds-ratio term).")
+    label_smoothing: float = documented(0.0, "dpo/simpo: assumed share of flipped preference labels (conservative "
+                                             "DPO); 0 = none.")
+    sft_weight: float = documented(0.0, "dpo/ipo/simpo: weight of the chosen responses' mean token NLL added to the "
+                                        "loss (RPO / CPO alpha); 0 = none.")
+    simpo_gamma: float = documented(0.5, "simpo: the target reward margin gamma (the loss uses gamma / beta).")
+
+
+@dataclass
 class TesseraConfig:
     model: ModelConfig = section(ModelConfig, "The model: a preset built from this config, or a pretrained "
                                               "Hugging Face causal LM (model=hf).")
@@ -373,6 +387,8 @@ class TesseraConfig:
     export: ExportConfig = section(ExportConfig, "The Hugging Face export of the final model.")
     peft: PeftConfig = section(PeftConfig, "Parameter-efficient fine-tuning: LoRA adapters on a frozen base "
                                            "(QLoRA with a 4-bit base).")
+    objective: ObjectiveConfig = section(ObjectiveConfig, "What the model is trained to do: next-token prediction "
+                                                          "or a preference loss (DPO, IPO, SimPO, ORPO).")
 
 
 def schema_fields() -> List[Tuple[str, Field]]:
@@ -403,7 +419,7 @@ def to_object(cfg: DictConfig | TesseraConfig) -> TesseraConfig:
 
 CHOICES = {
     "model.kind": ("llama", "gpt2", "hf"),
-    "data.kind": ("embedded", "text", "hub", "sft", "mixture", "tokens"),
+    "data.kind": ("embedded", "text", "hub", "sft", "preference", "mixture", "tokens"),
     "data.packing": ("eos", "documents"),
     "optim.name": ("adamw", "sgd"),
     "optim.implementation": ("auto", "fused", "foreach", "for_loop"),
@@ -418,6 +434,7 @@ CHOICES = {
     "sync.name": ("every_step", "local_sgd", "diloco"),
     "peft.name": ("none", "lora"),
     "peft.quantization": ("none", "nf4"),
+    "objective.name": ("lm", "dpo", "ipo", "simpo", "orpo"),
 }
 
 
@@ -448,6 +465,10 @@ RANGES = {
     "model.rope_theta": _positive(),
     "model.initializer_range": _positive("the init std of the preset's weights"),
     "model.router_aux_loss_coef": _at_least(0, "0 = off; null = the model config's own"),
+    "objective.beta": _positive(),
+    "objective.label_smoothing": _between(0, 0.5, hi_open=True),
+    "objective.sft_weight": _at_least(0, "0 = none"),
+    "objective.simpo_gamma": _at_least(0),
     "data.seq_len": _positive(),
     "data.temperature": _positive(),
     "data.follow_replay": _between(0, 1, hi_open=True),

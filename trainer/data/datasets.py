@@ -21,6 +21,7 @@ from trainer.data import sft, sources, token_stores, tokenizing
 from trainer.data.embedded import VERSION as EMBEDDED_VERSION, embedded_documents
 from trainer.data.follow import FollowData
 from trainer.data.mixture import build_mixture
+from trainer.data.preference import PreferencePairs, pair_items, preference_records
 from trainer.data.sampler import GlobalBatchSampler
 from trainer.data.streaming import StreamData
 from trainer.data.store import TokenStore, build_or_load, default_cache_dir, tokenizer_fingerprint
@@ -182,6 +183,7 @@ class DataSplits:
     description: str
     tasks: tuple = ()  # data.kind=mixture: the sources' names (each batch row then carries its task index)
     sampler_cls: type = GlobalBatchSampler  # data=tokens: token_stores.LazyOrderSampler (no index arrays)
+    reference_key: str = ""  # objective=dpo|ipo: the reference scores' key (trainer/objectives/reference.py)
 
     def sampler(self, global_batch_size: int, seed: int):
         """The global-batch sampler over the training split (trainer/data/sampler.py)."""
@@ -209,14 +211,17 @@ def _build_source(d, tokenizer, vocab_size: int, log: Callable[[str], None], whe
     if d.kind == "tokens":
         return _token_store_source(d, tokenizer, vocab_size, log, where)
     cache_dir = d.cache_dir or default_cache_dir()
-    if d.kind == "sft":
+    if d.kind in sources.CHAT_KINDS:
         sft.ensure_chat_template(tokenizer, d.chat_template)
     key = {"source": sources.describe_source(d), "tokenizer": tokenizer_fingerprint(tokenizer),
            "kind": d.kind, "embedded": EMBEDDED_VERSION if d.kind == "embedded" else None}
     note = (f"tokenization cache {cache_dir}: this run spans several nodes; nodes that share this folder tokenize "
             f"once, together, a node-local folder gets its own copy on each node (data.cache_dir=<a shared folder> "
             f"tokenizes once)") if env_spans_nodes() else ""
-    if d.kind == "sft":
+    if d.kind == "preference":  # built by one process per cache folder (no parts)
+        store = build_or_load(cache_dir, key, "sft", vocab_size,
+                              lambda: pair_items(preference_records(d), tokenizer), log, build_note=note)
+    elif d.kind == "sft":
         store = build_or_load(cache_dir, key, "sft", vocab_size, lambda: _sft_items(d, tokenizer), log,
                               parts=lambda: _cache_parts(d, tokenizer), build_note=note)
     else:
@@ -225,8 +230,10 @@ def _build_source(d, tokenizer, vocab_size: int, log: Callable[[str], None], whe
     seqs = _sequences(store, d, _pad_id(tokenizer), store.meta["kind"])
     prefix = f"{where}: " if where else ""
     if getattr(seqs, "dropped", 0):
-        log(f"warning: {prefix}{seqs.dropped} SFT examples have no response token within data.seq_len={d.seq_len} "
-            f"and are skipped")
+        what = (f"preference pairs have a side longer than data.seq_len={d.seq_len} (+1) tokens or without a "
+                f"response token" if d.kind == "preference" else
+                f"SFT examples have no response token within data.seq_len={d.seq_len}")
+        log(f"warning: {prefix}{seqs.dropped} {what} and are skipped")
     n = len(seqs)
     n_val = int(round(n * d.val_fraction)) if d.val_fraction > 0 else 0
     if d.val_fraction > 0 and n >= 2:
@@ -240,8 +247,9 @@ def _build_source(d, tokenizer, vocab_size: int, log: Callable[[str], None], whe
     fingerprint = f"{content_digest(store)}:L{d.seq_len}:v{d.val_fraction}:s{d.split_seed}"
     if d.packing != "eos":  # (eos adds nothing: checkpoints from before the key existed keep their identity)
         fingerprint += f":p{d.packing}"
+    items = "pairs (2 rows)" if d.kind == "preference" else "sequences"
     desc = (f"{d.kind} data: {store.meta['num_documents']} documents, {store.meta['num_tokens']} tokens, "
-            f"{len(train_idx)} train / {len(val_idx)} validation sequences of {d.seq_len} tokens")
+            f"{len(train_idx)} train / {len(val_idx)} validation {items} of {d.seq_len} tokens")
     if d.packing == "documents":
         targets = seqs.count_targets(np.arange(n))
         desc += (f" ({seqs.num_pieces} documents or pieces packed with restarting positions; "
@@ -256,6 +264,8 @@ def _pad_id(tokenizer) -> int:
 
 def _sequences(store: TokenStore, d, pad_id: int, kind: str):
     """A token store (a cache entry or one shard) cut into training sequences by data.packing."""
+    if d.kind == "preference":
+        return PreferencePairs(store, d.seq_len, pad_id)
     if d.packing == "documents":
         return DocumentPackedSequences(store, d.seq_len, pad_id)
     if kind == "sft":

@@ -12,6 +12,8 @@ from typing import Iterator, List, Optional, Tuple
 from tessera.errors import DataError, one_line
 from trainer.data.text_files import Piece, read_documents, text_pieces
 
+CHAT_KINDS = ("sft", "preference")  # data kinds whose records are rendered with the chat template
+
 TEXT_EXTS = (".txt", ".text", ".md")
 JSON_EXTS = (".json", ".jsonl")
 PARQUET_EXTS = (".parquet",)
@@ -95,8 +97,8 @@ def load_hub(name: str, config_name, split: str, revision, local: str = "data=te
 
 
 def reads_hub(data_cfg) -> bool:
-    """data.kind=hub, or SFT records from the hub: data=sft with data.name and no data.path (a path wins)."""
-    return data_cfg.kind == "hub" or (data_cfg.kind == "sft" and not data_cfg.path and bool(data_cfg.name))
+    """data.kind=hub, or SFT / preference records from the hub: data.name and no data.path (a path wins)."""
+    return data_cfg.kind == "hub" or (data_cfg.kind in CHAT_KINDS and not data_cfg.path and bool(data_cfg.name))
 
 
 def _require_column(ds, field: str, key: str, where: str):
@@ -155,26 +157,26 @@ class Records:
                 yield i, rec
 
 
-def _dataset(data_cfg, local: str):
+def dataset_of(data_cfg, local: str):
     if reads_hub(data_cfg):
         return load_hub(data_cfg.name, data_cfg.config_name, data_cfg.split, data_cfg.revision, local=local), \
             f"data.name={data_cfg.name!r}"
     files = resolve_files(data_cfg.path)
-    if data_cfg.kind == "sft" and file_kind(files[0]) == "text":
-        raise DataError(f"data.path={data_cfg.path!r}: SFT data must be JSON, JSONL or parquet records")
+    if data_cfg.kind in CHAT_KINDS and file_kind(files[0]) == "text":
+        raise DataError(f"data.path={data_cfg.path!r}: {data_cfg.kind} data must be JSON, JSONL or parquet records")
     return load_local(files), f"data.path={data_cfg.path!r}"
 
 
-def _limited(ds, data_cfg) -> int:
+def limited(ds, data_cfg) -> int:
     return len(ds) if data_cfg.max_records is None else min(len(ds), data_cfg.max_records)
 
 
 def text_records(data_cfg) -> Records:
     """JSONL/parquet records or a hub dataset whose field data.text_field holds the text."""
-    ds, where = _dataset(data_cfg, "data=text data.path=<a local copy>")
+    ds, where = dataset_of(data_cfg, "data=text data.path=<a local copy>")
     field = "text" if "text" in ds.column_names and data_cfg.text_field == "text" else data_cfg.text_field
     _require_column(ds, field, "data.text_field", where)
-    return Records(ds, where, field, _limited(ds, data_cfg))
+    return Records(ds, where, field, limited(ds, data_cfg))
 
 
 def record_texts(src: Records, records: Optional[range] = None) -> Iterator[str]:
@@ -237,7 +239,7 @@ class Conversation:
 
 def sft_records(data_cfg) -> Records:
     """SFT records from data.path, or from the hub dataset data.name where data.path is not set."""
-    ds, where = _dataset(data_cfg, "data.path=<a local copy of the records>")
+    ds, where = dataset_of(data_cfg, "data.path=<a local copy of the records>")
     cols, m = set(ds.column_names), mapping_of(data_cfg)
     for name in ("messages", "conversations", "instruction", "output"):
         if name in m.columns and m.field(name) not in cols:  # named by the user: said, not guessed around
@@ -251,7 +253,7 @@ def sft_records(data_cfg) -> Records:
         form = "alpaca"
     else:
         raise DataError(f"{where}: {_shape_hint(m, cols)}")
-    return Records(ds, where, form, _limited(ds, data_cfg), m)
+    return Records(ds, where, form, limited(ds, data_cfg), m)
 
 
 def _shape_hint(m: Mapping, fields) -> str:
@@ -281,9 +283,9 @@ def conversation(rec: dict, i: int, where: str, mapping: Mapping) -> Conversatio
     system?}; `tools` on any of them. Each shape is found by its field (data.columns names them)."""
     f = mapping.field
     if rec.get(f("messages")) is not None:
-        messages = _turns(rec[f("messages")], i, where, mapping, sharegpt=False)
+        messages = turns(rec[f("messages")], i, where, mapping, sharegpt=False)
     elif rec.get(f("conversations")) is not None:
-        messages = _system_turn(rec, mapping) + _turns(rec[f("conversations")], i, where, mapping, sharegpt=True)
+        messages = system_turn(rec, mapping) + turns(rec[f("conversations")], i, where, mapping, sharegpt=True)
     elif f("instruction") in rec or f("output") in rec:
         messages = _alpaca_messages(rec, i, where, mapping)
     elif f("messages") in rec or f("conversations") in rec:
@@ -295,10 +297,10 @@ def conversation(rec: dict, i: int, where: str, mapping: Mapping) -> Conversatio
         weighted = any(m["role"] == "assistant" for m in messages)
         raise DataError(f"{where}: record {i} has no assistant message to learn from"
                         + (" (every assistant turn has weight 0)" if weighted else ""))
-    return Conversation(messages, _tools(rec.get(f("tools")), i, where, f("tools")))
+    return Conversation(messages, tools_of(rec.get(f("tools")), i, where, f("tools")))
 
 
-def _system_turn(rec: dict, mapping: Mapping) -> list:
+def system_turn(rec: dict, mapping: Mapping) -> list:
     system = rec.get(mapping.field("system"))
     return [{"role": "system", "content": system, "train": False}] if isinstance(system, str) and system else []
 
@@ -312,17 +314,18 @@ def _alpaca_messages(rec: dict, i: int, where: str, mapping: Mapping) -> list:
     user = instr if not extra else f"{instr}\n\n{extra}"
     messages = [{"role": "user", "content": user, "train": False},
                 {"role": "assistant", "content": out, "train": True}]
-    return _system_turn(rec, mapping) + messages
+    return system_turn(rec, mapping) + messages
 
 
-def _turns(turns, i: int, where: str, mapping: Mapping, sharegpt: bool) -> list:
+def turns(items, i: int, where: str, mapping: Mapping, sharegpt: bool) -> list:
+    """A record's list of messages (chat or ShareGPT), each normalised by _turn."""
     name = mapping.field("conversations" if sharegpt else "messages")
-    if not isinstance(turns, list) or not turns:
+    if not isinstance(items, list) or not items:
         raise DataError(f"{where}: record {i} has no {name!r} list")
     roles = dict(SHAREGPT_ROLES, **mapping.roles) if sharegpt else mapping.roles
     keys = (mapping.columns.get("role", "from" if sharegpt else "role"),
             mapping.columns.get("content", "value" if sharegpt else "content"))
-    return [_turn(m, f"{where}: record {i} message {j}", keys, roles, mapping, sharegpt) for j, m in enumerate(turns)]
+    return [_turn(m, f"{where}: record {i} message {j}", keys, roles, mapping, sharegpt) for j, m in enumerate(items)]
 
 
 def _turn(m, at: str, keys: Tuple[str, str], roles: dict, mapping: Mapping, sharegpt: bool) -> dict:
@@ -397,7 +400,7 @@ def _function_call(value, at: str) -> list:
             for c in calls]
 
 
-def _tools(value, i: int, where: str, key: str) -> Optional[list]:
+def tools_of(value, i: int, where: str, key: str) -> Optional[list]:
     """The record's tool schemas: a list of JSON-schema descriptions (one dict is a list of one), or a JSON string
     of one; none (null, "", []) is None."""
     if isinstance(value, str):
@@ -440,8 +443,9 @@ def mapping_problems(d) -> List[str]:
         problems += [f"{key}.columns.{k} is empty; name the records' field" for k, v in columns.items() if not v]
         problems += [f"{key}.roles.{k}={v!r} is not one of {', '.join(ROLE_NAMES)} (your role name -> Tessera's)"
                      for k, v in roles.items() if v not in ROLE_NAMES]
-        if (columns or roles) and kind != "sft":
-            problems.append(f"{key}.columns and {key}.roles are read with kind=sft only ({key}.kind={kind})"
+        if (columns or roles) and kind not in CHAT_KINDS:
+            problems.append(f"{key}.columns and {key}.roles are read with kind=sft or preference only "
+                            f"({key}.kind={kind})"
                             + ("; a mixture's SFT sources carry their own: data.sources[i].columns"
                                if kind == "mixture" else ""))
     return problems

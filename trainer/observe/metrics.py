@@ -267,7 +267,10 @@ def format_record(r: dict) -> str:
     parts = [f"step {r['step']}", f"loss {r['loss']:.4f}", f"lr {r['lr']:.2e}", f"grad_norm {r['grad_norm']:.3f}",
              f"{r['tokens_per_s']:.0f} tok/s"]
     if "val_loss" in r:
-        parts.append(f"val_loss {r['val_loss']:.4f} (ppl {r['val_ppl']:.2f})")
+        parts.append(f"val_loss {r['val_loss']:.4f}" + (f" (ppl {r['val_ppl']:.2f})" if "val_ppl" in r else ""))
+    for key in ("dpo", "ipo", "simpo", "orpo"):  # a preference objective's rewards (trainer/objectives/objective.py)
+        if key in r:
+            parts.append(f"margin {r[key]['margin']:.3f} acc {r[key]['accuracy']:.2f}")
     return " | ".join(parts)
 
 

@@ -41,6 +41,9 @@ from trainer.observe.model_states import built_parameter_bytes
 from trainer.observe.trackers import config_problems as tracker_problems, open_trackers
 from trainer.run.agreement import check_agreement
 from trainer.run.optim import build_optimizer, build_scheduler
+from trainer.data.preference import pair_problems
+from trainer.objectives.objective import LanguageModeling, build_objective, objective_problems
+from trainer.objectives.reference import add_reference_identity, attach_reference
 from trainer.run.precision import Precision
 from trainer.run.router_loss import RouterBalance, aux_loss_coef, router_loss_problems, routes_tokens
 from trainer.run.state import DataPosition, RandomState, TrainState
@@ -102,6 +105,9 @@ def check(cfg: C.TesseraConfig, world_size: int):
                 problems += router_loss_problems(cfg, info.hf_config, dims)
         except ModelError as e:
             problems.append(str(e))
+    if dims is not None:
+        problems += objective_problems(cfg, dims)
+    problems += pair_problems(cfg.data) if cfg.data.kind == "preference" else []
     if problems:
         raise ConfigError(dict.fromkeys(problems))  # de-duplicated, order kept
     return dims, cls, tokenizer, info
@@ -125,6 +131,7 @@ def prepare(cfg: C.TesseraConfig, run_dir: str) -> Prepared:
     rundir.claim(run_dir, plan, cfg.checkpoint.overwrite)  # one live job, one run per folder
     prepared = Prepared(cfg, run_dir, world_size, dims, cls, tokenizer, info, resume=plan)
     prepared.data = build_data(cfg, tokenizer, info.vocab_size, log=log0)
+    add_reference_identity(cfg, prepared.data)  # DPO / IPO: the reference scores are part of the data's identity
     prepared.data.sampler(cfg.train.global_batch_size, cfg.train.seed)  # size check
     model = lora.meta_adapted(info.hf_config, cfg.peft)
     prepared.model_shapes = {k: list(v.shape) for k, v in model.state_dict().items()}
@@ -190,6 +197,7 @@ class Run:
     watchdog: object = field(default_factory=watchdog.Unwatched)  # trainer/resilience/watchdog.py: progress, heartbeats
     # export.snapshot_every (trainer/exporting/snapshots.py); off unless build() sets it from the config
     snapshots: Snapshots = field(default_factory=lambda: Snapshots("", 0, 2, writes=False))
+    objective: object = field(default_factory=LanguageModeling)  # trainer/objectives/objective.py
 
     step = property(lambda self: self.state.step)  # optimizer steps done (the loop advances `state`)
     # the model's facts under the names callers used before (read-only)
@@ -210,7 +218,9 @@ def build(p: Prepared) -> Run:
         strategy.track_tasks(len(p.data.tasks))
     run = Run(cfg, p.run_dir, TrainState(), strategy, p.data, sampler, scheduler, p.tokenizer, facts, logger,
               device, p.resume, watchdog=watch, ft=replica_groups.fault_tolerance(cfg, strategy),
-              sync=synchronisation(cfg, strategy))
+              sync=synchronisation(cfg, strategy), objective=strategy.objective)
+    # DPO / IPO: the starting model scores every pair once, before a checkpoint can replace it
+    attach_reference(run)
     run.checkpointer = _checkpointer(p, run)
     _resume(run)
     run.stop = StopRequest()
@@ -254,6 +264,7 @@ def _build_model(p: Prepared, device, rank: int):
     adapters = lora.inject(model, cfg.peft, cfg.model.name_or_path) if cfg.peft.name != "none" else None
     strategy.use_adapters(adapters)
     strategy.use_router_balance(_router_balance(cfg, p.model_info.hf_config, model))
+    strategy.use_objective(build_objective(cfg))
     num_params = registry.count_parameters(model)
     # memory.json only: ZeRO-3 / FSDP hold their part only
     built_param_bytes = built_parameter_bytes(model) if cfg.logging.memory_report else 0

@@ -42,7 +42,8 @@ class StepResult:
     grad_norm: object
     skipped: bool
     n_target: int  # target tokens the step trained on
-    n_sequences: int  # sequences in the global batch
+    n_sequences: int  # sequences (rows) in the global batch
+    n_loss: int = 0  # what the step's loss is averaged over (the objective's loss units: target tokens, or pairs)
 
 
 RETRY = "retry"  # a step not taken (a replica group failed during it): run it again
@@ -108,12 +109,13 @@ def train_step(run, comm):
         run.stopped_by = run.stop.name
         return None
     n_target = run.data.train.count_targets(global_batch)
+    n_loss = run.objective.loss_units(run.data.train, global_batch)  # target tokens, or preference pairs
     positions = run.sampler.micro_batches(k, strategy.dp_rank, strategy.dp_size, t.micro_batch_size)
     micro_batches = [run.data.train.get(pos) for pos in positions]
     lr = strategy.optimizer.param_groups[0]["lr"]
     with comm.window():  # the step's collectives: comm_bytes
-        loss_sum = strategy.forward_backward(micro_batches, n_target, run.sync.grad_weight)
-        grad_norm, skipped = run.ft.optimizer_step(strategy, loss_sum, micro_batches, n_target, t.grad_clip)
+        loss_sum = strategy.forward_backward(micro_batches, n_loss, run.sync.grad_weight)
+        grad_norm, skipped = run.ft.optimizer_step(strategy, loss_sum, micro_batches, n_loss, t.grad_clip)
         run.sync.after_step(k + 1)  # local SGD / DiLoCo: the workers meet every sync.every steps
     if not run.ft.committed():  # not taken (a replica group failed during it): the same step again
         return RETRY
@@ -123,7 +125,8 @@ def train_step(run, comm):
     state.tokens_seen += n_target
     state.skipped_steps += int(skipped)
     run.watchdog.finished_step(state.step)
-    return StepResult(k, lr, loss_sum, grad_norm, skipped, n_target, len(global_batch))
+    return StepResult(k, lr, loss_sum, grad_norm, skipped, n_target, len(global_batch) * run.objective.rows_per_item,
+                      n_loss)
 
 
 def _eval_due(run) -> bool:
@@ -141,7 +144,7 @@ def _logs(run) -> bool:
 def log_record(run, result: StepResult, meters: _Meters, comm) -> dict:
     """The metrics.jsonl record of the step just taken (with the evaluation's results where one is due)."""
     strategy, state = run.strategy, run.state
-    loss = run.ft.step_loss(strategy, result.loss_sum, result.n_target)
+    loss = run.ft.step_loss(strategy, result.loss_sum, result.n_loss)
     tok_s, seq_tok_s = meters.throughput.take()
     record = {"step": state.step, "loss": loss, "lr": result.lr, "grad_norm": float(result.grad_norm),
               "tokens": state.tokens_seen, "tokens_per_s": tok_s, "seq_tokens_per_s": seq_tok_s,
@@ -152,6 +155,9 @@ def log_record(run, result: StepResult, meters: _Meters, comm) -> dict:
     if task_sums is not None:
         record["tasks"] = {name: {"loss": float(s / n) if n else None, "tokens": int(n)}
                            for name, (s, n) in zip(run.data.tasks, task_sums.tolist())}
+    objective_metrics = run.objective.metrics(strategy.dp_sum)  # a preference objective's rewards and accuracy
+    if objective_metrics:
+        record[run.objective.name] = objective_metrics
     aux = strategy.router_aux_loss()  # a mixture of experts' load-balancing term (model.router_aux_loss_coef)
     if aux is not None:
         record["router_aux_loss"] = aux
@@ -228,13 +234,19 @@ def evaluate(run) -> dict:
     """Token-weighted validation loss and perplexity over the first `eval.max_sequences` of the split (of each
     task's split, with data.kind=mixture: then also each task's validation loss)."""
     tasks = run.data.tasks
+    run.objective.reset()
     per_task = [_eval_split(run, run.data.val_of_task(t)) for t in range(len(tasks))] if tasks \
         else [_eval_split(run, run.data.val)]
     totals = [t for t in per_task if t is not None]
     if not totals:
         return {}
     val_loss = sum(t[0] for t in totals) / sum(t[1] for t in totals)
-    out = {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+    out = {"val_loss": val_loss}
+    objective_metrics = run.objective.metrics(run.strategy.dp_sum)
+    if objective_metrics:  # a preference objective's: its loss is no token cross-entropy (no perplexity)
+        out[f"val_{run.objective.name}"] = objective_metrics
+    else:
+        out["val_ppl"] = math.exp(min(val_loss, 50.0))
     if tasks:
         out["val_loss_by_task"] = {name: t[0] / t[1] if t is not None and t[1] else None
                                    for name, t in zip(tasks, per_task)}
@@ -257,14 +269,15 @@ def _eval_split(run, val):
     share = -(-n // size)
     padded = np.concatenate([mine, np.zeros(share - len(mine), dtype=mine.dtype)])
     batches = []
+    rows = run.objective.rows_per_item  # a batch row per item, or two (a preference pair)
     for i in range(0, share, mbs):
         batch = val.get(padded[i:i + mbs])
-        batch["labels"][max(0, len(mine) - i):] = IGNORE
+        batch["labels"][max(0, len(mine) - i) * rows:] = IGNORE
         batches.append(batch)
     strategy.model.eval()
     loss_sum = strategy.eval_loss_sum(batches)
     strategy.model.train()
-    targets = torch.tensor(float(val.count_targets(mine)) if len(mine) else 0.0, device=run.device)
+    targets = torch.tensor(float(run.objective.loss_units(val, mine)) if len(mine) else 0.0, device=run.device)
     totals = strategy.dp_sum(torch.stack([loss_sum.float(), targets]))
     return float(totals[0]), float(totals[1])
 

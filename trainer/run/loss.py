@@ -12,24 +12,31 @@ from trainer.data.datasets import IGNORE
 PACKED_FORWARD = PackedForward()  # one per process: the first packed batch checks the model
 
 
-def token_loss_sum(model, batch: dict, precision, tasks=None, router=None) -> torch.Tensor:
-    """Sum of next-token cross-entropies over the micro-batch's target tokens (fp32). With `tasks` (TaskLosses)
-    and rows that carry their task (data.kind=mixture), each row's sum is also added to its task's. `router`: the
-    model's RouterBalance, whose forward arguments it takes (no load-balancing term)."""
+def token_loss_sum(model, batch: dict, precision, tasks=None, router=None, objective=None) -> torch.Tensor:
+    """Sum of next-token cross-entropies over the micro-batch's target tokens (fp32), or the `objective`'s loss sum
+    (trainer/objectives/objective.py). With `tasks` (TaskLosses) and rows that carry their task (data.kind=mixture),
+    each row's sum is also added to its task's. `router`: the model's RouterBalance, whose forward arguments it takes
+    (no load-balancing term)."""
     with precision.autocast():
         logits = _forward(model, batch, router.forward_kwargs if router is not None else {}).logits
-    return _cross_entropy_sum(logits, batch["labels"], tasks, batch.get("task"))
+    return _loss_sum(logits, batch, tasks, objective)
 
 
-def micro_batch_losses(model, batch: dict, precision, tasks=None, router=None, cp=None):
-    """(token cross-entropy sum, the router's load-balancing term or None): with `router` (RouterBalance, its
+def micro_batch_losses(model, batch: dict, precision, tasks=None, router=None, cp=None, objective=None):
+    """(the loss sum as token_loss_sum, the router's load-balancing term or None): with `router` (RouterBalance, its
     coef > 0) its term from the routers' logits (`cp`: the ContextParallel whose ranks hold the other parts of the
     sequences)."""
     if router is None or router.coef == 0:
-        return token_loss_sum(model, batch, precision, tasks, router), None
+        return token_loss_sum(model, batch, precision, tasks, router, objective), None
     with precision.autocast(), router.capturing() as router_logits:
         logits = _forward(model, batch, router.forward_kwargs).logits
-    return _cross_entropy_sum(logits, batch["labels"], tasks, batch.get("task")), router.term(router_logits, cp)
+    return _loss_sum(logits, batch, tasks, objective), router.term(router_logits, cp)
+
+
+def _loss_sum(logits, batch: dict, tasks, objective) -> torch.Tensor:
+    if objective is None:
+        return cross_entropy_sum(logits, batch["labels"], tasks, batch.get("task"))
+    return objective.loss_sum(logits, batch, tasks)
 
 
 def _forward(model, batch: dict, extra: dict):
@@ -41,7 +48,7 @@ def _forward(model, batch: dict, extra: dict):
     return model(input_ids=batch["input_ids"], use_cache=False, **extra)
 
 
-def _cross_entropy_sum(logits, labels, tasks, task) -> torch.Tensor:
+def cross_entropy_sum(logits, labels, tasks, task) -> torch.Tensor:
     if tasks is None or task is None:
         return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
     per_token = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE,

@@ -43,6 +43,7 @@ class Strategy:
         self.tasks = None  # TaskLosses of the step in progress (data.kind=mixture; track_tasks)
         self.adapters = None  # peft=lora: models.lora.Adapters of the model (set before setup)
         self.router = None  # a mixture of experts' load-balancing loss: trainer/run/router_loss.RouterBalance
+        self.objective = None  # trainer/objectives/objective.py (None: the token cross-entropy)
         # strategy.cp > 1: trainer/parallel/context_parallel.ContextParallel (each rank a shard of every sequence)
         self.cp = None
 
@@ -87,6 +88,10 @@ class Strategy:
         """Add a mixture of experts' router load-balancing term (RouterBalance, or None: off) to each micro-batch's
         loss."""
         self.router = router
+
+    def use_objective(self, objective) -> None:
+        """The loss each micro-batch's logits give (trainer/objectives/objective.py); None: token cross-entropy."""
+        self.objective = objective
 
     def router_aux_loss(self):
         """The mean load-balancing term of the last step's micro-batches over all data-parallel ranks, or None."""
@@ -157,7 +162,8 @@ class Strategy:
         for i, batch in enumerate(micro_batches):
             batch = {k: to_device(v, self.device) for k, v in batch.items()}
             with self.accumulation_context(i == len(micro_batches) - 1), sharded_or_whole(self.cp, batch) as batch:
-                ce_sum, term = micro_batch_losses(self.model, batch, self.precision, self.tasks, self.router, self.cp)
+                ce_sum, term = micro_batch_losses(self.model, batch, self.precision, self.tasks, self.router, self.cp,
+                                                  self.objective)
                 loss = ce_sum / num_target_tokens if grad_weight == 1.0 else ce_sum * grad_weight / num_target_tokens
                 if term is not None:  # the mean of the micro-batches' terms over every data-parallel rank
                     loss = loss + term * (self.router.coef * grad_weight / (len(micro_batches) * self.dp_size))
@@ -171,6 +177,8 @@ class Strategy:
             self.tasks.reset()
         if self.router is not None:
             self.router.reset()
+        if self.objective is not None:
+            self.objective.reset()
         return torch.zeros((), device=self.device)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -200,7 +208,8 @@ class Strategy:
         for batch in micro_batches:
             batch = {k: v.to(self.device) for k, v in batch.items()}
             with sharded_or_whole(self.cp, batch) as batch:
-                total += token_loss_sum(self.model, batch, self.precision, router=self.router)
+                total += token_loss_sum(self.model, batch, self.precision, router=self.router,
+                                        objective=self.objective)
         return self.cp.total(total) if self.cp is not None else total
 
     # ---- collectives over the data-parallel ranks ------------------------------------------------------

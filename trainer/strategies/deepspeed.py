@@ -399,7 +399,8 @@ class DeepSpeedStrategy(Strategy):
         total = self.begin_step()
         for i, batch in enumerate(micro_batches):
             batch = {k: to_device(v, self.device) for k, v in batch.items()}
-            ce_sum, term = micro_batch_losses(self.engine, batch, self.precision, self.tasks, self.router)
+            ce_sum, term = micro_batch_losses(self.engine, batch, self.precision, self.tasks, self.router,
+                                              objective=self.objective)
             # x dp: DeepSpeed averages over the data-parallel ranks; scale_wrt_gas=False: no 1/accumulation.
             loss = ce_sum * (self.dp_size / num_target_tokens)
             if term is not None:  # the mean of the micro-batches' terms (DeepSpeed averages over the ranks)

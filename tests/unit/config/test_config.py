@@ -18,13 +18,14 @@ CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
 
 GROUPS = {
     "model": ["tiny", "llama_10m", "llama_100m", "gpt2_10m", "gpt2_100m", "hf"],
-    "data": ["default", "text", "hub", "sft", "mixture", "tokens"],
+    "data": ["default", "text", "hub", "sft", "preference", "mixture", "tokens"],
     "strategy": ["single", "ddp", "zero1", "zero2", "zero3", "zero3_offload", "fsdp", "hsdp", "tp", "pp",
                  "fsdp_tp", "pp_fsdp", "3d"],
     "optim": ["adamw", "sgd"],
     "scheduler": ["constant", "linear", "cosine"],
     "precision": ["fp32", "bf16", "fp16"],
     "experiment": ["stories_shakespeare", "alpaca_sft"],
+    "objective": ["lm", "dpo", "ipo", "simpo", "orpo"],
 }
 
 
@@ -80,6 +81,12 @@ def test_every_group_option_composes(compose, group, option):
         ("data", "hub"): lambda c: c.data.kind == "hub",
         ("data", "mixture"): lambda c: c.data.kind == "mixture" and c.data.sources == [],
         ("data", "sft"): lambda c: c.data.kind == "sft",
+        ("data", "preference"): lambda c: c.data.kind == "preference" and c.data.seq_len == 512,
+        ("objective", "lm"): lambda c: c.objective.name == "lm",
+        ("objective", "dpo"): lambda c: c.objective.name == "dpo" and c.objective.beta == 0.1,
+        ("objective", "ipo"): lambda c: c.objective.name == "ipo" and c.objective.beta == 0.1,
+        ("objective", "simpo"): lambda c: c.objective.name == "simpo" and c.objective.beta == 2.0,
+        ("objective", "orpo"): lambda c: c.objective.name == "orpo" and c.objective.beta == 0.1,
         ("data", "tokens"): lambda c: c.data.kind == "tokens" and c.data.path is None,
         ("strategy", "single"): lambda c: c.strategy.name == "single",
         ("strategy", "ddp"): lambda c: c.strategy.name == "ddp",
@@ -344,7 +351,12 @@ RANGE_CASES = [
     ("model.intermediate_size=-64", "model.intermediate_size=-64 must be > 0"),
     ("model.max_position_embeddings=0", "model.max_position_embeddings=0 must be > 0"),
     ("model.rope_theta=-1", "model.rope_theta=-1.0 must be > 0"),
-    ("model.router_aux_loss_coef=-0.01", "model.router_aux_loss_coef=-0.01 must be >= 0 (0 = off; null = the model config's own)"),
+    ("objective.beta=0", "objective.beta=0.0 must be > 0"),
+    ("objective.label_smoothing=0.5", "objective.label_smoothing=0.5 must be in [0, 0.5)"),
+    ("objective.sft_weight=-1", "objective.sft_weight=-1.0 must be >= 0 (0 = none)"),
+    ("objective.simpo_gamma=-1", "objective.simpo_gamma=-1.0 must be >= 0"),
+    ("model.router_aux_loss_coef=-0.01",
+     "model.router_aux_loss_coef=-0.01 must be >= 0 (0 = off; null = the model config's own)"),
     ("model.initializer_range=0", "model.initializer_range=0.0 must be > 0"),
     ("data.seq_len=0", "data.seq_len=0 must be > 0"),
     ("data.temperature=0", "data.temperature=0.0 must be > 0"),

@@ -333,7 +333,7 @@ def test_mapping_config_problems():
     assert "data.roles.bot='robot' is not one of system, user, assistant, tool (your role name -> Tessera's)" \
         in problems
     cfg.data = DataConfig(kind="text", path="x.jsonl", columns={"messages": "dialog"})
-    assert "data.columns and data.roles are read with kind=sft only (data.kind=text)" in C.validate(cfg, 1)
+    assert "data.columns and data.roles are read with kind=sft or preference only (data.kind=text)" in C.validate(cfg, 1)
     cfg.data = DataConfig(kind="mixture", sources=[MixtureSource(name="a", kind="sft", path="x.jsonl",
                                                                  columns={"prompt": "p", "bogus": "b"})])
     assert any(p.startswith("data.sources[0].columns has unknown key(s) bogus;") for p in C.validate(cfg, 1))

@@ -1,0 +1,142 @@
+"""The reference model of DPO and IPO, scored once: before the first step, the starting model (the model the run
+trains from: the pretrained or preset weights, with fresh LoRA adapters the base with adapters off, with
+peft.adapter the base with that adapter) computes the log-probability of every pair's chosen and rejected response
+(train and validation), on the run's own backend and layout, its data-parallel ranks taking a share each, forward
+only in eval mode. The scores are kept beside the token cache as `<cache>/reference/<key>.npy`, the key a digest
+of the model's identity (its config, weights files, seed, adapters, quantization), the precision and the data's
+fingerprint; a run or a resume with the same key reads them (so the training process holds one model), and the
+key joins the data fingerprint that checkpoints carry (a resume with other reference scores is refused)."""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import hashlib
+import json
+import os
+from typing import Optional
+
+import numpy as np
+import torch
+
+from tessera.errors import DataError, one_line
+from trainer.data.datasets import IGNORE
+from trainer.data.sources import files_fingerprint
+from trainer.data.store import default_cache_dir, file_lock
+from trainer.objectives.preference import NEEDS_REFERENCE, sequence_logps
+
+
+def reference_key(cfg, data_fingerprint: str) -> str:
+    """The identity of a run's reference scores."""
+    m = cfg.model
+    weights = sorted(glob.glob(os.path.join(m.name_or_path, "*"))) if m.name_or_path and \
+        os.path.isdir(m.name_or_path) else []
+    adapter = sorted(glob.glob(os.path.join(cfg.peft.adapter, "*"))) if cfg.peft.adapter else []
+    identity = {"model": dataclasses.asdict(m), "weights": files_fingerprint(weights) if weights else None,
+                "seed": cfg.train.seed if m.kind != "hf" else None, "adapter": files_fingerprint(adapter) or None,
+                "quantization": cfg.peft.quantization, "precision": cfg.precision.name, "data": data_fingerprint}
+    identity["model"].pop("router_aux_loss_coef", None)  # a training knob, not the model's output
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+class ReferenceScorer:
+    """An objective that keeps each row's response log-probability by pair (rows: chosen, rejected) and adds no
+    loss: the strategy's evaluation forward runs it."""
+
+    rows_per_item = 2
+    name = "reference"
+
+    def __init__(self, num_pairs: int):
+        self.scores = torch.zeros(num_pairs, 2, dtype=torch.float64)
+
+    def loss_sum(self, logits, batch: dict, tasks=None) -> torch.Tensor:
+        logps, tokens = sequence_logps(logits, batch["labels"])
+        real = ((tokens[0::2] > 0) & (tokens[1::2] > 0)).cpu()  # the evaluation's fillers have no targets
+        pairs = batch["pair_ids"].cpu()[real]
+        self.scores[pairs] = torch.stack([logps[0::2], logps[1::2]], 1).detach().double().cpu()[real]
+        return logits.new_zeros(())
+
+    def reset(self) -> None:
+        pass
+
+
+def add_reference_identity(cfg, data) -> None:
+    """DPO / IPO: the reference scores' key joins the data's fingerprint (before a resume compares it)."""
+    if cfg.objective.name != "lm" and NEEDS_REFERENCE[cfg.objective.name]:
+        data.reference_key = reference_key(cfg, data.fingerprint)
+        data.fingerprint += f":ref{data.reference_key}"
+
+
+def attach_reference(run) -> None:
+    """Give the run's preference pairs their reference scores (read, or scored now and saved). A no-op for
+    objectives without a reference."""
+    if not run.objective.needs_reference:
+        return
+    pairs, key = run.data.train.base, run.data.reference_key
+    path = os.path.join(run.cfg.data.cache_dir or default_cache_dir(), "reference", f"{key}.npy")
+    scores = _read(path, pairs.num_pairs) if _everyone_has(path, run.device) else None
+    if scores is None:
+        run.logger.info(f"scoring {len(pairs)} preference pairs with the reference (starting) model")
+        scores = score_pairs(run, pairs)
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # each node's cache folder (shared or not)
+            _write(path, scores)
+        run.logger.info(f"reference scores saved to {path}")
+    else:
+        run.logger.info(f"reference scores read from {path}")
+    pairs.reference = scores.astype(np.float32)
+
+
+def score_pairs(run, pairs) -> np.ndarray:
+    """[stored pairs, 2] reference log-probabilities (chosen, rejected); NaN for pairs that do not train."""
+    strategy, mbs = run.strategy, run.cfg.train.micro_batch_size
+    n = len(pairs)
+    rank, size = strategy.dp_rank, strategy.dp_size
+    mine = np.arange(n)[rank::size]
+    share = -(-n // size)  # every rank runs as many forwards (sharded layouts gather in each)
+    padded = np.concatenate([mine, np.zeros(share - len(mine), dtype=mine.dtype)])
+    scorer, objective = ReferenceScorer(pairs.num_pairs), strategy.objective
+    strategy.use_objective(scorer)
+    strategy.model.eval()
+    try:
+        for i in range(0, share, mbs):
+            batch = pairs.get(padded[i:i + mbs])
+            batch["labels"][max(0, len(mine) - i) * 2:] = IGNORE
+            strategy.eval_loss_sum([batch])
+    finally:
+        strategy.model.train()
+        strategy.use_objective(objective)
+    scores = strategy.dp_sum(scorer.scores.to(run.device)).cpu().numpy()
+    kept = np.zeros(pairs.num_pairs, dtype=bool)
+    kept[pairs.keep] = True
+    scores[~kept] = np.nan
+    return scores
+
+
+def _read(path: str, num_pairs: int) -> Optional[np.ndarray]:
+    if not os.path.exists(path):
+        return None
+    try:
+        scores = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise DataError(f"the reference scores {path} cannot be read ({one_line(e)}); delete the file to score "
+                        f"again") from None
+    if scores.shape != (num_pairs, 2):
+        raise DataError(f"the reference scores {path} hold {scores.shape[0]} pairs, the data {num_pairs}; delete the "
+                        f"file to score again")
+    return scores
+
+
+def _write(path: str, scores: np.ndarray) -> None:
+    """Whole or not at all: a temporary file, then a rename."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with file_lock(path + ".lock"):
+        tmp = f"{path}.tmp-{os.getpid()}.npy"
+        np.save(tmp, scores)
+        os.replace(tmp, path)
+
+
+def _everyone_has(path: str, device) -> bool:
+    """Whether every rank sees the scores file (node-local caches may differ): all read, or all score."""
+    found = torch.tensor(float(os.path.exists(path)), device=device)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MIN)
+    return bool(found.item())
