@@ -54,6 +54,9 @@ def store_kind(d) -> str:
         raise DataError(f"data={d.kind}{' with data.follow' if d.follow else ''} has no one store: tokenize each "
                         f"source into its own store (data=text, sft or hub), and name the stores in the mixture's "
                         f"sources (kind: tokens)")
+    if d.kind == "preference":
+        raise DataError("data=preference has no token store of its own: the training run tokenizes the pairs into its "
+                        "cache (data.cache_dir) and scores the reference there; run the training command instead")
     return "sft" if d.kind == "sft" else "text"
 
 

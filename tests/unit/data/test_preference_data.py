@@ -14,6 +14,7 @@ from models.tokenizer import embedded_tokenizer
 from tessera.errors import DataError
 from trainer.config.schema import DataConfig, TesseraConfig
 from trainer.data.datasets import IGNORE, build_data
+from trainer.data.tokenizing import store_kind
 
 VOCAB = 264
 EOS = "<|endoftext|>"
@@ -115,3 +116,9 @@ def test_records_of_another_shape_list_their_fields_and_the_mapping(tmp_path):
     assert "preference records need 'chosen' and 'rejected'" in str(e.value)
     assert "found fields: answer, question" in str(e.value)
     assert "data.columns={prompt: <field>, chosen: <field>, rejected: <field>}" in str(e.value)
+
+
+def test_the_tokenize_command_refuses_preference_data():
+    """python -m trainer.tokenize builds text and SFT stores; preference pairs are tokenized by the run itself."""
+    with pytest.raises(DataError, match="data=preference has no token store of its own"):
+        store_kind(DataConfig(kind="preference", path="pairs.jsonl"))
