@@ -19,7 +19,6 @@ import torch
 from trainer.objectives.preference import NEEDS_REFERENCE, PairScores, pair_losses, sequence_logps
 from trainer.run.loss import cross_entropy_sum
 
-PREFERENCE_METHODS = tuple(NEEDS_REFERENCE)
 STAT_NAMES = ("chosen_reward", "rejected_reward", "margin", "accuracy")
 
 
@@ -30,8 +29,9 @@ class LanguageModeling:
     needs_reference = False
     rows_per_item = 1
 
-    def loss_units(self, data, indices) -> int:
-        return data.count_targets(indices)
+    def loss_units(self, n_target: int, indices) -> int:
+        """What a batch's loss is averaged over, from its target-token count and its items."""
+        return n_target
 
     def loss_sum(self, logits, batch: dict, tasks=None) -> torch.Tensor:
         return cross_entropy_sum(logits, batch["labels"], tasks, batch.get("task"))
@@ -53,7 +53,7 @@ class Preference:
         self.needs_reference = NEEDS_REFERENCE[cfg.name]
         self.stats = None  # [chosen reward, rejected reward, margin, correct, pairs] sums since reset (device)
 
-    def loss_units(self, data, indices) -> int:
+    def loss_units(self, n_target: int, indices) -> int:
         return len(indices)
 
     def loss_sum(self, logits, batch: dict, tasks=None) -> torch.Tensor:

@@ -42,9 +42,6 @@ class ReferenceScorer:
     """An objective that keeps each row's response log-probability by pair (rows: chosen, rejected) and adds no
     loss: the strategy's evaluation forward runs it."""
 
-    rows_per_item = 2
-    name = "reference"
-
     def __init__(self, num_pairs: int):
         self.scores = torch.zeros(num_pairs, 2, dtype=torch.float64)
 

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from tessera.errors import FaultError, one_line
+from trainer.objectives.preference import METHODS as PREFERENCE_METHODS
 from trainer.observe.trackers import Trackers
 
 # Dense bf16 peak TFLOP/s of one device, by a substring of its name.
@@ -268,7 +269,7 @@ def format_record(r: dict) -> str:
              f"{r['tokens_per_s']:.0f} tok/s"]
     if "val_loss" in r:
         parts.append(f"val_loss {r['val_loss']:.4f}" + (f" (ppl {r['val_ppl']:.2f})" if "val_ppl" in r else ""))
-    for key in ("dpo", "ipo", "simpo", "orpo"):  # a preference objective's rewards (trainer/objectives/objective.py)
+    for key in PREFERENCE_METHODS:  # a preference objective's rewards (trainer/objectives/objective.py)
         if key in r:
             parts.append(f"margin {r[key]['margin']:.3f} acc {r[key]['accuracy']:.2f}")
     return " | ".join(parts)

@@ -43,7 +43,7 @@ class StepResult:
     skipped: bool
     n_target: int  # target tokens the step trained on
     n_sequences: int  # sequences (rows) in the global batch
-    n_loss: int = 0  # what the step's loss is averaged over (the objective's loss units: target tokens, or pairs)
+    n_loss: int  # what the step's loss is averaged over (the objective's loss units: target tokens, or pairs)
 
 
 RETRY = "retry"  # a step not taken (a replica group failed during it): run it again
@@ -109,7 +109,7 @@ def train_step(run, comm):
         run.stopped_by = run.stop.name
         return None
     n_target = run.data.train.count_targets(global_batch)
-    n_loss = run.objective.loss_units(run.data.train, global_batch)  # target tokens, or preference pairs
+    n_loss = run.objective.loss_units(n_target, global_batch)  # target tokens, or preference pairs
     positions = run.sampler.micro_batches(k, strategy.dp_rank, strategy.dp_size, t.micro_batch_size)
     micro_batches = [run.data.train.get(pos) for pos in positions]
     lr = strategy.optimizer.param_groups[0]["lr"]
@@ -277,7 +277,8 @@ def _eval_split(run, val):
     strategy.model.eval()
     loss_sum = strategy.eval_loss_sum(batches)
     strategy.model.train()
-    targets = torch.tensor(float(run.objective.loss_units(val, mine)) if len(mine) else 0.0, device=run.device)
+    units = run.objective.loss_units(val.count_targets(mine), mine) if len(mine) else 0
+    targets = torch.tensor(float(units), device=run.device)
     totals = strategy.dp_sum(torch.stack([loss_sum.float(), targets]))
     return float(totals[0]), float(totals[1])
 
