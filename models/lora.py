@@ -149,6 +149,27 @@ class Adapters:
         return (f"LoRA r={c.r} alpha={c.lora_alpha} on {len(self.layers)} modules: {self.trained / 1e6:.3f}M "
                 f"trainable of {self.total / 1e6:.2f}M parameters ({100 * self.trained / max(self.total, 1):.2f}%)")
 
+    @staticmethod
+    def base_only(model: nn.Module, compute):
+        """`compute()` with every adapter of `model` off (LoRA layers and modules_to_save run their base module) and
+        the model in eval mode, then everything as it was: the base model's output (a preference objective's live
+        reference). peft's `disable_adapters` flag is set directly: its enable_adapters() would also change which
+        parameters require gradients."""
+        from peft.tuners.tuners_utils import BaseTunerLayer
+        from peft.utils.other import AuxiliaryTrainingWrapper
+
+        layers = [m for m in model.modules() if isinstance(m, (BaseTunerLayer, AuxiliaryTrainingWrapper))]
+        training = model.training
+        model.eval()
+        for m in layers:
+            m._disable_adapters = True
+        try:
+            return compute()
+        finally:
+            for m in layers:
+                m._disable_adapters = False
+            model.train(training)
+
     def summary(self) -> dict:
         """What a checkpoint records (a run may resume it only with the same adapters)."""
         c = self.config

@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -239,3 +242,33 @@ def wait_while_running(condition, what: str, procs, timeout: float = 240) -> Non
         assert time.time() < deadline, f"timed out waiting for {what}"
         assert all(p.poll() is None for p in procs), f"a launch ended while waiting for {what}"
         time.sleep(0.05)
+
+
+def rank_pids(run_dir) -> dict:
+    """{rank: pid} of the trainer processes of one run (found through /proc)."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            script = b" ".join(cmd)
+            if b"trainer/main.py" not in script and b"fault_worker.py" not in script or \
+                    f"hydra.run.dir={run_dir}".encode() not in cmd:
+                continue
+            env = dict(kv.split(b"=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in kv)
+            if b"RANK" in env:
+                found[int(env[b"RANK"])] = int(pid)
+        except OSError:
+            continue
+    return found
+
+
+def kill_rank_when(proc, run_dir, ready, rank: int, deadline_s: float = 240):
+    """SIGKILL rank `rank` of the run as soon as `ready()` holds (from outside the trainer, by PID)."""
+    deadline = time.time() + deadline_s
+    while True:
+        assert proc.poll() is None and time.time() < deadline, "the run ended before the moment to kill came"
+        pid = rank_pids(run_dir).get(rank)
+        if pid is not None and ready():
+            os.kill(pid, signal.SIGKILL)
+            return
+        time.sleep(0.02)

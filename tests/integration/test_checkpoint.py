@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from tests.integration.catalogue import check_case
-from tests.integration.conftest import (REPO, SMALL, VENV_BIN, checkpoint_tensors, free_port, launch, metrics, ok,
-                                       rel_err)
+from tests.integration.conftest import (REPO, SMALL, VENV_BIN, checkpoint_tensors, free_port, kill_rank_when, launch,
+                                       metrics, ok, rank_pids, rel_err)
 
 FAULT_WORKER = REPO / "tests" / "integration" / "fault_worker.py"  # trainer/main.py, paused inside one save
 
@@ -98,36 +98,6 @@ def test_resume_on_another_world_size(straight, ddp2, tmp_path, nproc, micro):
     _assert_same(tmp_path, straight, 7, exact=False)
 
 
-def _rank_pids(run_dir) -> dict:
-    """{rank: pid} of the trainer processes of one run (found through /proc)."""
-    found = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            script = b" ".join(cmd)
-            if b"trainer/main.py" not in script and b"fault_worker.py" not in script or \
-                    f"hydra.run.dir={run_dir}".encode() not in cmd:
-                continue
-            env = dict(kv.split(b"=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in kv)
-            if b"RANK" in env:
-                found[int(env[b"RANK"])] = int(pid)
-        except OSError:
-            continue
-    return found
-
-
-def _kill_when(proc, run_dir, ready, rank: int, deadline_s: float = 240):
-    """SIGKILL rank `rank` of the run as soon as `ready()` holds (from outside the trainer, by PID)."""
-    deadline = time.time() + deadline_s
-    while True:
-        assert proc.poll() is None and time.time() < deadline, "the run ended before the moment to kill came"
-        pid = _rank_pids(run_dir).get(rank)
-        if pid is not None and ready():
-            os.kill(pid, signal.SIGKILL)
-            return
-        time.sleep(0.02)
-
-
 def _logged_steps(run_dir) -> int:
     path = Path(run_dir) / "metrics.jsonl"
     return len(path.read_text().splitlines()) if path.exists() else 0
@@ -172,7 +142,7 @@ def test_a_killed_rank_restarts_and_the_run_ends_as_if_never_interrupted(ddp2, t
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
-        _kill_when(proc, run_dir, lambda: ready(run_dir), rank)
+        kill_rank_when(proc, run_dir, lambda: ready(run_dir), rank)
         out, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
@@ -269,7 +239,7 @@ def test_a_stalled_rank_is_detected_named_and_the_job_recovers(ddp2, tmp_path, f
             time.sleep(0.02)
         t_fault = time.monotonic()
         if fault == "sigstop":
-            stopped = _rank_pids(run_dir)[1]
+            stopped = rank_pids(run_dir)[1]
             os.kill(stopped, signal.SIGSTOP)
         out = _finish(proc)
     finally:

@@ -2,7 +2,8 @@
 a small Llama preset and generated pairs (chosen: a coherent sentence, rejected: the same words shuffled): the first
 step's DPO loss is log 2 (the policy is its reference); ZeRO-3 and tensor parallelism, each
 scoring its own reference, train the one-process curve (loss and gradient norm within 1e-5, the reward margin
-within 1e-5 absolute); DDP reads the reference scores another run saved; LoRA and the reference-free SimPO under
+within 1e-5 absolute); the on-the-fly reference (a second ZeRO-3 engine; LoRA's base with adapters off under FSDP)
+equals the offline one bit for bit; DDP reads the reference scores another run saved; LoRA and the reference-free SimPO under
 FSDP match one process too; a resumed run continues the uninterrupted one exactly; 2 ranks reach a reward accuracy
 above 0.9 within 60 steps.
 (The losses against closed forms and TRL's: tests/unit/run/test_preference_losses.py; the record shapes:
@@ -11,11 +12,18 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
+import signal
+import subprocess
+import sys
 
 import pytest
 
-from tests.integration.conftest import check_parity, launch, metrics, ok
+from tests.integration.conftest import (REPO, check_parity, free_port, kill_rank_when, launch, metrics, ok,
+                                       read_jsonl)
+
+FAULT_WORKER = REPO / "tests" / "integration" / "fault_worker.py"  # --step-delay: a run slow enough to kill
 
 STEPS = 4
 # a smaller model than the default tiny one: the launches are then mostly start-up
@@ -66,37 +74,82 @@ def single(pairs, tmp_path_factory):
     return root, recs
 
 
-LAYOUTS = {"zero3": ("deepspeed", ["strategy=zero3"]),  # ZeRO-1/2 take the same engine path
-           "tp": ("torchrun", ["strategy=tp"])}  # FSDP: with LoRA below
-
-
-@pytest.mark.parametrize("name", LAYOUTS)
-def test_every_backend_scores_its_reference_and_trains_the_one_process_curve(pairs, single, tmp_path, name):
-    launcher, extra = LAYOUTS[name]
-    proc = launch(launcher, _overrides(pairs, tmp_path / "cache", extra), tmp_path / "run", nproc=2)
+def test_tensor_parallel_scores_its_reference_and_trains_the_one_process_curve(pairs, single, tmp_path):
+    proc = launch("torchrun", _overrides(pairs, tmp_path / "cache", ["strategy=tp"]), tmp_path / "run", nproc=2)
     ok(proc)
     assert "scoring 160 preference pairs" in proc.stdout + proc.stderr
-    _check(name, metrics(tmp_path / "run"), single[1])
+    _check("tp", metrics(tmp_path / "run"), single[1])
 
 
-def test_ddp_reads_the_saved_reference_and_a_resumed_run_continues_exactly(pairs, single, tmp_path):
-    """The reference scores single saved are read (no second scoring); a checkpoint at step 2 resumed to step 4
-    gives the uninterrupted run's steps 3 and 4."""
+LIVE = {  # (launcher, ranks, overrides, what the live reference is)
+    # a second engine, partitioned and offloaded like the trained one
+    "zero3_offload": ("deepspeed", 2, ["strategy=zero3_offload"], "reference model: a frozen copy"),
+    # a second model on the 2-D mesh (tp inside, FSDP across)
+    "fsdp_tp": ("torchrun", 4, ["strategy=fsdp_tp", "strategy.tp=2"], "reference model: a frozen copy"),
+    "fsdp-lora": ("torchrun", 2, ["strategy=fsdp", "peft=lora", "peft.dropout=0.1"], "adapters off"),
+    # bitsandbytes' 4-bit base under the adapters (a pretrained Hugging Face model)
+    "qlora": ("python", 1, ["strategy=single", "peft=lora", "peft.quantization=nf4"], "adapters off"),
+}
+
+
+@pytest.mark.parametrize("name", LIVE)
+def test_the_on_the_fly_reference_equals_the_offline_one_bit_for_bit(pairs, single, generated_data, tmp_path, name):
+    """objective.reference=on_the_fly (a frozen copy sharded like the model, or LoRA's base with adapters off)
+    scores every micro-batch as the offline pass scored the pairs once: the two runs' losses, gradient norms,
+    rewards and evaluations are equal bit for bit. The layouts scoring their own reference train the one-process
+    curve."""
+    launcher, nproc, extra, live_line = LIVE[name]
+    extra = [*extra, "eval.every=2", "data.val_fraction=0.05"]
+    if name == "qlora":
+        extra += ["model=hf", f"model.name_or_path={generated_data.model}"]
+    runs = {}
+    for mode in ("offline", "on_the_fly"):
+        runs[mode] = tmp_path / mode
+        overrides = _overrides(pairs, tmp_path / "cache", [*extra, f"objective.reference={mode}"])
+        proc = launch(launcher, [o for o in overrides if name != "qlora" or o not in SMALL], runs[mode], nproc=nproc)
+        ok(proc)
+        scored = "scoring 160 preference pairs" in proc.stdout + proc.stderr
+        assert scored == (mode == "offline") and (live_line in proc.stdout + proc.stderr) == (mode != "offline")
+    offline, live = metrics(runs["offline"]), metrics(runs["on_the_fly"])
+    assert [(r["loss"], r["grad_norm"], r["dpo"]) for r in live] == \
+        [(r["loss"], r["grad_norm"], r["dpo"]) for r in offline]
+    evals = [read_jsonl(runs[mode] / "eval.jsonl") for mode in runs]
+    assert len(evals[0]) == 2 and [(e["val_loss"], e["val_dpo"]) for e in evals[1]] == \
+        [(e["val_loss"], e["val_dpo"]) for e in evals[0]]
+    if "peft=lora" not in extra:
+        _check(name, offline, single[1])
+
+
+def test_ddp_reads_the_saved_reference_and_a_killed_run_continues_exactly(pairs, single, tmp_path):
+    """The reference scores single saved are read (no second scoring). A rank SIGKILLed after step 3 (checkpoints
+    every 2 steps) restarts with its launch, continues from step 2, reads the scores again and ends with the
+    uninterrupted run's steps, bit for bit."""
     cache = single[0] / "cache"
-    proc = launch("torchrun", _overrides(pairs, cache, ["strategy=ddp", "checkpoint.every=2"]), tmp_path / "ddp",
-                  nproc=2)
+    proc = launch("torchrun", _overrides(pairs, cache, ["strategy=ddp"]), tmp_path / "ddp", nproc=2)
     ok(proc)
     assert "reference scores read from" in proc.stdout + proc.stderr and "scoring" not in proc.stdout + proc.stderr
     recs = metrics(tmp_path / "ddp")
     _check("ddp", recs, single[1])
-    resumed = tmp_path / "resumed"
-    ok(launch("torchrun", _overrides(pairs, cache, ["strategy=ddp", f"checkpoint.resume={tmp_path}/ddp/checkpoints"
-                                                                    f"/step_2"]), resumed, nproc=2))
-    again = metrics(resumed)
-    assert [r["step"] for r in again] == [3, 4]
-    for r, ref in zip(again, recs[2:]):
-        assert (r["loss"], r["grad_norm"], *r["dpo"].values()) == \
-            pytest.approx((ref["loss"], ref["grad_norm"], *ref["dpo"].values()), rel=1e-6)
+    run_dir = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "trainer.torchrun", "--nproc_per_node=2", f"--master_port={free_port()}",
+           str(FAULT_WORKER), "--step-delay=0.3",
+           *_overrides(pairs, cache, ["strategy=ddp", "checkpoint.every=2"]), f"hydra.run.dir={run_dir}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TESSERA_MAX_RESTARTS="1")
+    killed = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    try:
+        kill_rank_when(killed, run_dir, lambda: len(metrics(run_dir)) >= 3 if (run_dir / "metrics.jsonl").exists()
+                       else False, rank=1)
+        out, err = killed.communicate(timeout=300)
+    finally:
+        if killed.poll() is None:
+            os.killpg(killed.pid, signal.SIGKILL)
+    assert killed.returncode == 0, err[-3000:]
+    assert f"restart 1: continuing the run in {run_dir} from its checkpoint of step 2" in out, out[-3000:]
+    assert (out + err).count("reference scores read from") == 2 and "scoring" not in out + err
+    again = metrics(run_dir)
+    assert [r["step"] for r in again] == [1, 2, 3, 4]
+    assert [(r["loss"], r["grad_norm"], r["dpo"]) for r in again] == [(r["loss"], r["grad_norm"], r["dpo"]) for r in recs]
 
 
 @pytest.mark.parametrize("name,extra,key", [
@@ -122,3 +175,47 @@ def test_two_ranks_learn_to_prefer_the_coherent_sentence(pairs, single, tmp_path
     print("dpo accuracy curve (step, accuracy, loss):", curve)
     assert recs[-1]["dpo"]["accuracy"] > 0.9 and recs[-2]["dpo"]["accuracy"] > 0.9, curve
     assert recs[-1]["val_dpo"]["accuracy"] > 0.9 and recs[-1]["val_loss"] < recs[0]["loss"], recs[-1]
+
+
+def test_a_mixture_of_preference_sources_reports_each_task_on_every_rank_count(pairs, tmp_path):
+    """Two preference sources weighted 2:1 (the second in chat form): every step trains 4 and 2 of its 6 pairs, each
+    task's pair loss, rewards and accuracy (and each task's validation figures) are logged, the step's loss is
+    their pair-weighted mean, and DDP reading the sources' saved reference scores matches one process."""
+    counting = tmp_path / "counting.jsonl"
+    rng = random.Random(1)
+    numbers = "one two three four five six seven eight nine ten".split()
+    with open(counting, "w") as fh:
+        for i in range(60):
+            words = numbers[i % 3:i % 3 + rng.randint(4, 7)]
+            fh.write(json.dumps({"messages": [{"role": "user", "content": f"Count {i % 5}"}],
+                                 "chosen": [{"role": "assistant", "content": " ".join(words)}],
+                                 "rejected": [{"role": "assistant", "content": " ".join(rng.sample(words, len(words)))}]})
+                     + "\n")
+    mixture = ["data=mixture", f"data.sources=[{{name: words, kind: preference, path: {pairs}, weight: 2}}, "
+                               f"{{name: counting, kind: preference, path: {counting}, weight: 1}}]",
+               "train.global_batch_size=6", "train.micro_batch_size=3", "eval.every=4", "data.val_fraction=0.1"]
+    runs = {}
+    for layout, launcher, nproc in (("single", "python", 1), ("ddp", "torchrun", 2)):
+        runs[layout] = tmp_path / layout
+        proc = launch(launcher, _overrides(pairs, tmp_path / "cache", [f"strategy={layout}", *mixture]),
+                      runs[layout], nproc=nproc)
+        ok(proc)
+        out = proc.stdout + proc.stderr
+        if layout == "single":
+            assert "scoring 160 preference pairs of source words" in out and \
+                "scoring 60 preference pairs of source counting" in out
+        else:  # each source's own scores, saved by the single run
+            assert "reference scores of source words read from" in out and "scoring" not in out
+    recs = metrics(runs["single"])
+    for r in recs:
+        words, counting = r["tasks"]["words"], r["tasks"]["counting"]
+        assert (words["pairs"], counting["pairs"]) == (4, 2)
+        assert r["loss"] == pytest.approx((4 * words["loss"] + 2 * counting["loss"]) / 6, rel=1e-6)
+    evaluation = read_jsonl(runs["single"] / "eval.jsonl")[-1]
+    assert set(evaluation["val_dpo_by_task"]) == {"words", "counting"}
+    assert evaluation["val_dpo_by_task"]["counting"]["pairs"] == 6
+    check_parity("mixture ddp", metrics(runs["ddp"]), recs, tol=TOL, steps=STEPS)
+    for r, ref in zip(metrics(runs["ddp"]), recs):
+        for task in ("words", "counting"):
+            assert r["tasks"][task]["loss"] == pytest.approx(ref["tasks"][task]["loss"], rel=TOL)
+            assert r["tasks"][task]["margin"] == pytest.approx(ref["tasks"][task]["margin"], abs=1e-5)

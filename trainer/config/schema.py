@@ -62,12 +62,12 @@ class ModelConfig:
 @dataclass
 class MixtureSource:
     name: str = documented("", "The task's name in metrics.jsonl and eval.jsonl (letters, digits, _ and -).")
-    kind: str = documented("text", "text (documents: text / JSON(L) / parquet), sft (instruction records) or tokens "
-                                   "(token stores).")
+    kind: str = documented("text", "text (documents: text / JSON(L) / parquet), sft (instruction records), tokens "
+                                   "(token stores) or preference (pairs; then every source).")
     path: Optional[str] = documented(None, "A file, folder or glob, or several separated by commas.")
     text_field: str = documented("text", "kind=text: the field of JSON/JSONL/parquet records that holds the text.")
-    columns: Dict[str, str] = documented({}, "kind=sft: as data.columns, for this source.")
-    roles: Dict[str, str] = documented({}, "kind=sft: as data.roles, for this source.")
+    columns: Dict[str, str] = documented({}, "kind=sft or preference: as data.columns, for this source.")
+    roles: Dict[str, str] = documented({}, "kind=sft or preference: as data.roles, for this source.")
     weight: Optional[float] = documented(None, "Share of every global batch (relative); null on every source: by "
                                                "size, with data.temperature.")
 
@@ -365,6 +365,8 @@ class ObjectiveConfig:
     sft_weight: float = documented(0.0, "dpo/ipo/simpo: weight of the chosen responses' mean token NLL added to the "
                                         "loss (RPO / CPO alpha); 0 = none.")
     simpo_gamma: float = documented(0.5, "simpo: the target reward margin gamma (the loss uses gamma / beta).")
+    reference: str = documented("offline", "dpo/ipo: offline (scored once before training, saved beside the token "
+                                           "cache) or on_the_fly (a frozen copy scores each batch).")
 
 
 @dataclass
@@ -435,6 +437,7 @@ CHOICES = {
     "peft.name": ("none", "lora"),
     "peft.quantization": ("none", "nf4"),
     "objective.name": ("lm", "dpo", "ipo", "simpo", "orpo"),
+    "objective.reference": ("offline", "on_the_fly"),
 }
 
 
@@ -573,7 +576,8 @@ def mixture_problems(d) -> List[str]:
         return [f"data.sources is read with data.kind=mixture only (data.kind={d.kind}); use data=mixture"] \
             if d.sources else []
     if not d.sources:
-        return ["data.kind=mixture needs data.sources=[{name: ..., kind: text|sft, path: ..., weight: ...}, ...]"]
+        return ["data.kind=mixture needs data.sources=[{name: ..., kind: text|sft|tokens|preference, path: ..., "
+                "weight: ...}, ...]"]
     problems, names = [], []
     for i, src in enumerate(d.sources):
         key = f"data.sources[{i}]"
@@ -582,12 +586,16 @@ def mixture_problems(d) -> List[str]:
         elif src.name in names:
             problems.append(f"{key}.name={src.name!r} names two sources; give each its own name")
         names.append(src.name)
-        if src.kind not in ("text", "sft", "tokens"):
-            problems.append(f"{key}.kind={src.kind!r} is not one of text, sft, tokens")
+        if src.kind not in ("text", "sft", "tokens", "preference"):
+            problems.append(f"{key}.kind={src.kind!r} is not one of text, sft, tokens, preference")
         if not src.path:
             problems.append(f"{key}.path must be set (a file, folder or glob)")
         if src.weight is not None and not (_finite(src.weight) and src.weight >= 0):
             problems.append(f"{key}.weight={src.weight} must be >= 0")
+    pairs = [s.kind == "preference" for s in d.sources]
+    if any(pairs) and not all(pairs):
+        problems.append("data.sources: preference sources train a preference objective and the others next-token "
+                        "prediction; a mixture's sources are all kind=preference or none")
     weights = [s.weight for s in d.sources]
     if any(w is None for w in weights) and not all(w is None for w in weights):
         problems.append("data.sources: set a weight on every source, or on none (then by size, with "

@@ -9,8 +9,9 @@ seed: every batch follows the weights as closely as whole sequences allow, the s
 micro-batch size, and a resumed run continues the same sequence. Each source goes through its training
 sequences in epochs of its own, each in a permutation seeded by (train.seed, source, epoch).
 
-Each batch row carries its task index ("task"), so the strategies add every row's loss to its task's sum:
-metrics.jsonl gets per-task loss and target tokens, eval.jsonl a validation loss per task.
+Each batch item carries its task index ("task"), so the strategies add every row's loss to its task's sum:
+metrics.jsonl gets per-task loss and target tokens, eval.jsonl a validation loss per task. A mixture of preference
+sources (objective=dpo, ...) gives per-task pair losses, pairs and the objective's rewards and accuracy.
 """
 from __future__ import annotations
 
@@ -41,17 +42,25 @@ class MixtureSequences:
         return indices, task
 
     def get(self, indices) -> dict:
+        """The items' batch with each item's task ("task": one per item; a preference pair's two rows share it)."""
         indices, task = self._split(indices)
-        order = np.argsort(task, kind="stable")  # the rows grouped by source: one read from each
+        order = np.argsort(task, kind="stable")  # the items grouped by source: one read from each
         parts = [self.parts[t].get(indices[task == t] - self.offsets[t]) for t in np.unique(task)]
-        back = torch.from_numpy(np.argsort(order))  # and back into the batch's order
-        batch = {key: torch.cat([p[key] for p in parts])[back] for key in parts[0]}
+        back = np.argsort(order)  # and back into the batch's order
+        batch = {key: _reordered(torch.cat([p[key] for p in parts]), back) for key in parts[0]}
         batch["task"] = torch.from_numpy(task)
         return batch
 
     def count_targets(self, indices) -> int:
         indices, task = self._split(indices)
         return sum(self.parts[t].count_targets(indices[task == t] - self.offsets[t]) for t in np.unique(task))
+
+
+def _reordered(rows: torch.Tensor, back: np.ndarray) -> torch.Tensor:
+    """`rows` (k rows per item, the items in source order) in the batch's item order `back`."""
+    per_item = rows.shape[0] // len(back)
+    index = (back[:, None] * per_item + np.arange(per_item)).reshape(-1)
+    return rows[torch.from_numpy(index)]
 
 
 class MixtureSampler:
@@ -143,6 +152,8 @@ class MixtureSplits:
     description: str
     tasks: tuple
     weights: tuple
+    sources: tuple = ()  # the sources' own DataSplits (a preference source's reference scores are its own)
+    reference_key: str = ""  # objective=dpo|ipo: the sources' reference keys together
 
     def sampler(self, global_batch_size: int, seed: int) -> MixtureSampler:
         return MixtureSampler([len(p) for p in self.train.parts], self.weights, global_batch_size, seed)
@@ -184,4 +195,4 @@ def build_mixture(d, splits) -> MixtureSplits:
     desc = f"mixture of {len(names)} sources by {how} ({parts}); " + "; ".join(
         f"{n}: {s.description}" for n, s in zip(names, splits))
     return MixtureSplits(MixtureSequences([s.train for s in splits]), MixtureSequences([s.val for s in splits]),
-                         fingerprint, sum(s.num_tokens for s in splits), desc, names, weights)
+                         fingerprint, sum(s.num_tokens for s in splits), desc, names, weights, tuple(splits))

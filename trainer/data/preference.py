@@ -146,6 +146,12 @@ class PreferencePairs:
         return int(self.targets[self.keep[np.asarray(indices, dtype=np.int64)]].sum())
 
 
+def holds_pairs(d) -> bool:
+    """Whether the data config gives preference pairs: data.kind=preference, or a mixture of preference sources."""
+    return d.kind == "preference" or (d.kind == "mixture" and bool(d.sources) and
+                                      all(s.kind == "preference" for s in d.sources))
+
+
 def pair_problems(d) -> List[str]:
     """data.kind=preference's checks before any process group."""
     problems = []

@@ -5,7 +5,12 @@ peft.adapter the base with that adapter) computes the log-probability of every p
 only in eval mode. The scores are kept beside the token cache as `<cache>/reference/<key>.npy`, the key a digest
 of the model's identity (its config, weights files, seed, adapters, quantization), the precision and the data's
 fingerprint; a run or a resume with the same key reads them (so the training process holds one model), and the
-key joins the data fingerprint that checkpoints carry (a resume with other reference scores is refused)."""
+key joins the data fingerprint that checkpoints carry (a resume with other reference scores is refused).
+
+objective.reference=on_the_fly keeps the reference live instead: a frozen copy of the starting model, built and
+sharded as the trained one is (with LoRA: the trained model's base with its adapters off), scores each micro-batch's
+pairs before the policy's forward. Both ways score one pair per forward in eval mode, so a pair's scores do not
+depend on the pairs beside it and the live scores equal the saved ones bit for bit."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +18,7 @@ import glob
 import hashlib
 import json
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -52,38 +57,76 @@ class ReferenceScorer:
         self.scores[pairs] = torch.stack([logps[0::2], logps[1::2]], 1).detach().double().cpu()[real]
         return logits.new_zeros(())
 
+    def prepare(self, batch: dict) -> dict:
+        return batch
+
     def reset(self) -> None:
         pass
 
 
+class LiveReference:
+    """objective.reference=on_the_fly: each micro-batch's reference log-probabilities from `forward` (a batch of one
+    pair -> its logits: the frozen reference's forward, in eval mode, without gradients)."""
+
+    def __init__(self, forward: Callable[[dict], torch.Tensor]):
+        self.forward = forward
+
+    @torch.no_grad()
+    def logps(self, batch: dict) -> torch.Tensor:
+        """[rows] fp32: each row's response log-probability, one pair (two rows) per forward, as the scoring pass
+        computes it."""
+        out = []
+        for row in range(0, batch["input_ids"].shape[0], 2):
+            pair = {"input_ids": batch["input_ids"][row:row + 2], "labels": batch["labels"][row:row + 2]}
+            out.append(sequence_logps(self.forward(pair), pair["labels"])[0])
+        return torch.cat(out).float()
+
+
 def add_reference_identity(cfg, data) -> None:
-    """DPO / IPO: the reference scores' key joins the data's fingerprint (before a resume compares it)."""
-    if cfg.objective.name != "lm" and NEEDS_REFERENCE[cfg.objective.name]:
-        data.reference_key = reference_key(cfg, data.fingerprint)
-        data.fingerprint += f":ref{data.reference_key}"
+    """DPO / IPO: the reference scores' key joins the data's fingerprint (before a resume compares it); a mixture's
+    preference sources each have their own scores and key."""
+    if cfg.objective.name == "lm" or not NEEDS_REFERENCE[cfg.objective.name]:
+        return
+    sources = _pair_sources(data)
+    for source in sources:
+        source.reference_key = reference_key(cfg, source.fingerprint)
+    if getattr(data, "sources", ()):
+        data.reference_key = hashlib.sha256("|".join(s.reference_key for s in sources).encode()).hexdigest()[:20]
+    data.fingerprint += f":ref{data.reference_key}"
+
+
+def _pair_sources(data) -> list:
+    """The DataSplits whose pairs have reference scores of their own: a mixture's sources, or the data itself."""
+    return list(getattr(data, "sources", ())) or [data]
 
 
 def attach_reference(run) -> None:
     """Give the run's preference pairs their reference scores (read, or scored now and saved). A no-op for
-    objectives without a reference."""
-    if not run.objective.needs_reference:
+    objectives without a reference or with a live one."""
+    if not run.objective.needs_reference or run.objective.live_reference is not None:
         return
-    pairs, key = run.data.train.base, run.data.reference_key
+    names = run.data.tasks or ("",)
+    for name, source in zip(names, _pair_sources(run.data)):
+        _attach(run, source.train.base, source.reference_key, f" of source {name}" if name else "")
+
+
+def _attach(run, pairs, key: str, which: str) -> None:
     path = os.path.join(run.cfg.data.cache_dir or default_cache_dir(), "reference", f"{key}.npy")
     scores = _read(path, pairs.num_pairs) if _everyone_has(path, run.device) else None
     if scores is None:
-        run.logger.info(f"scoring {len(pairs)} preference pairs with the reference (starting) model")
+        run.logger.info(f"scoring {len(pairs)} preference pairs{which} with the reference (starting) model")
         scores = score_pairs(run, pairs)
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # each node's cache folder (shared or not)
             _write(path, scores)
         run.logger.info(f"reference scores saved to {path}")
     else:
-        run.logger.info(f"reference scores read from {path}")
+        run.logger.info(f"reference scores{which} read from {path}")
     pairs.reference = scores.astype(np.float32)
 
 
 def score_pairs(run, pairs) -> np.ndarray:
-    """[stored pairs, 2] reference log-probabilities (chosen, rejected); NaN for pairs that do not train."""
+    """[stored pairs, 2] reference log-probabilities (chosen, rejected); NaN for pairs that do not train. One pair
+    per forward (what objective.reference=on_the_fly computes too), a micro-batch's worth of them per call."""
     strategy, mbs = run.strategy, run.cfg.train.micro_batch_size
     n = len(pairs)
     rank, size = strategy.dp_rank, strategy.dp_size
@@ -95,9 +138,7 @@ def score_pairs(run, pairs) -> np.ndarray:
     strategy.model.eval()
     try:
         for i in range(0, share, mbs):
-            batch = pairs.get(padded[i:i + mbs])
-            batch["labels"][max(0, len(mine) - i) * 2:] = IGNORE
-            strategy.eval_loss_sum([batch])
+            strategy.eval_loss_sum([_one_pair(pairs, padded, j, len(mine)) for j in range(i, min(i + mbs, share))])
     finally:
         strategy.model.train()
         strategy.use_objective(objective)
@@ -106,6 +147,14 @@ def score_pairs(run, pairs) -> np.ndarray:
     kept[pairs.keep] = True
     scores[~kept] = np.nan
     return scores
+
+
+def _one_pair(pairs, indices: np.ndarray, j: int, real: int) -> dict:
+    """The batch of pair indices[j]; past the `real` ones a filler without targets (ranks run equal forwards)."""
+    batch = pairs.get(indices[j:j + 1])
+    if j >= real:
+        batch["labels"][:] = IGNORE
+    return batch
 
 
 def _read(path: str, num_pairs: int) -> Optional[np.ndarray]:

@@ -41,9 +41,10 @@ from trainer.observe.model_states import built_parameter_bytes
 from trainer.observe.trackers import config_problems as tracker_problems, open_trackers
 from trainer.run.agreement import check_agreement
 from trainer.run.optim import build_optimizer, build_scheduler
-from trainer.data.preference import pair_problems
+from trainer.data.preference import holds_pairs, pair_problems
 from trainer.objectives.objective import LanguageModeling, build_objective, objective_problems
-from trainer.objectives.reference import add_reference_identity, attach_reference
+from trainer.objectives.reference import LiveReference, add_reference_identity, attach_reference
+from trainer.run.loss import forward_logits
 from trainer.run.precision import Precision
 from trainer.run.router_loss import RouterBalance, aux_loss_coef, router_loss_problems, routes_tokens
 from trainer.run.state import DataPosition, RandomState, TrainState
@@ -107,7 +108,7 @@ def check(cfg: C.TesseraConfig, world_size: int):
             problems.append(str(e))
     if dims is not None:
         problems += objective_problems(cfg, dims)
-    problems += pair_problems(cfg.data) if cfg.data.kind == "preference" else []
+    problems += pair_problems(cfg.data) if holds_pairs(cfg.data) else []
     if problems:
         raise ConfigError(dict.fromkeys(problems))  # de-duplicated, order kept
     return dims, cls, tokenizer, info
@@ -216,6 +217,7 @@ def build(p: Prepared) -> Run:
     sampler = p.data.sampler(cfg.train.global_batch_size, cfg.train.seed)
     if p.data.tasks:
         strategy.track_tasks(len(p.data.tasks))
+        strategy.objective.track_tasks(len(p.data.tasks), device)
     run = Run(cfg, p.run_dir, TrainState(), strategy, p.data, sampler, scheduler, p.tokenizer, facts, logger,
               device, p.resume, watchdog=watch, ft=replica_groups.fault_tolerance(cfg, strategy),
               sync=synchronisation(cfg, strategy), objective=strategy.objective)
@@ -256,10 +258,7 @@ def _build_model(p: Prepared, device, rank: int):
     cfg = p.cfg
     precision = Precision(cfg, device)
     strategy = p.strategy_cls(cfg, p.dims, device, precision)
-    pretrained = registry.get_spec(cfg.model.kind).pretrained
-    with strategy.model_construction(pretrained=pretrained):
-        model = registry.build(cfg.model, p.model_info, load_weights=not strategy.caps.loads_pretrained_weights,
-                               quantization=cfg.peft.quantization, quantize_on=device)
+    model = _construct(p, strategy, device)
     # LoRA goes in before any parallelism: every strategy then wraps the adapted model as it would the model
     adapters = lora.inject(model, cfg.peft, cfg.model.name_or_path) if cfg.peft.name != "none" else None
     strategy.use_adapters(adapters)
@@ -269,18 +268,52 @@ def _build_model(p: Prepared, device, rank: int):
     # memory.json only: ZeRO-3 / FSDP hold their part only
     built_param_bytes = built_parameter_bytes(model) if cfg.logging.memory_report else 0
     seed_everything(cfg.train.seed, rank)
-    if not pretrained:
-        initial = initial_weights(p.model_info.hf_config, cfg.train.seed)
-    else:
-        initial = registry.pretrained_weights(cfg.model, model) if strategy.caps.loads_pretrained_weights else None
+    initial = _initial_weights(p, strategy, model)
     if adapters is not None:  # the base's tensors under the adapted names, then the adapters' initial values
         values = adapters.initial_values(cfg.train.seed, cfg.peft.adapter)
         initial = adapters.pretrained(initial, values) if is_checkpoint(initial) else \
             adapters.initial_units(initial, values)
     strategy.setup(model, lambda named: build_optimizer(cfg, named), initial)
+    if cfg.objective.reference == "on_the_fly" and strategy.objective.needs_reference:
+        strategy.objective.use_reference(LiveReference(_reference_forward(p, strategy, device)))
     scheduler = build_scheduler(cfg, strategy.optimizer)
     desc = f"{cfg.model.kind}:{cfg.model.name_or_path or 'preset'} {num_params / 1e6:.2f}M params"
     return strategy, ModelFacts(p.model_info, num_params, p.model_shapes, desc, built_param_bytes), scheduler
+
+
+def _construct(p: Prepared, strategy, device):
+    """The model as the strategy has it built (pretrained weights loaded where the strategy does not load them)."""
+    cfg = p.cfg
+    with strategy.model_construction(pretrained=registry.get_spec(cfg.model.kind).pretrained):
+        return registry.build(cfg.model, p.model_info, load_weights=not strategy.caps.loads_pretrained_weights,
+                              quantization=cfg.peft.quantization, quantize_on=device)
+
+
+def _initial_weights(p: Prepared, strategy, model):
+    """What the strategy writes into the built model: seeded init units (presets), the pretrained checkpoint (where
+    the strategy loads it), or None."""
+    cfg = p.cfg
+    if not registry.get_spec(cfg.model.kind).pretrained:
+        return initial_weights(p.model_info.hf_config, cfg.train.seed)
+    return registry.pretrained_weights(cfg.model, model) if strategy.caps.loads_pretrained_weights else None
+
+
+def _reference_forward(p: Prepared, strategy, device):
+    """objective.reference=on_the_fly: the forward of the frozen starting model (a batch -> its logits, eval mode).
+    With LoRA (fresh adapters: the base alone computes the starting model) the trained model with its adapters off;
+    else a second model built and parallelized like the first, from the same weights, without drawing from the
+    run's random streams."""
+    router = strategy.router
+    if strategy.adapters is not None:
+        adapters, model = strategy.adapters, strategy.model
+        log0("reference model: the trained model's base with its adapters off (objective.reference=on_the_fly)")
+        return lambda batch: adapters.base_only(model, lambda: forward_logits(model, batch, strategy.precision, router))
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        model = _construct(p, strategy, device)
+        reference = strategy.setup_frozen(model, _initial_weights(p, strategy, model))
+    log0("reference model: a frozen copy of the starting model, parallelized like it (objective.reference="
+         "on_the_fly)")
+    return lambda batch: forward_logits(reference, batch, strategy.precision, router)
 
 
 def _router_balance(cfg, hf_config, model):

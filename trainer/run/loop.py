@@ -153,8 +153,7 @@ def log_record(run, result: StepResult, meters: _Meters, comm) -> dict:
     record.update(run.ft.metrics())
     task_sums = strategy.task_sums()  # data.kind=mixture: each task's loss and target tokens
     if task_sums is not None:
-        record["tasks"] = {name: {"loss": float(s / n) if n else None, "tokens": int(n)}
-                           for name, (s, n) in zip(run.data.tasks, task_sums.tolist())}
+        record["tasks"] = _task_figures(run, task_sums)
     objective_metrics = run.objective.metrics(strategy.dp_sum)  # a preference objective's rewards and accuracy
     if objective_metrics:
         record[run.objective.name] = objective_metrics
@@ -170,6 +169,16 @@ def log_record(run, result: StepResult, meters: _Meters, comm) -> dict:
     if _eval_due(run):
         record.update(_evaluate_step(run, meters))
     return record
+
+
+def _task_figures(run, task_sums) -> dict:
+    """Each task's figures of the step: a preference objective's own (pair loss, pairs, rewards, accuracy), else
+    the token loss and target tokens the strategy summed."""
+    per_task = run.objective.task_metrics(run.strategy.dp_sum)
+    if per_task is not None:
+        return dict(zip(run.data.tasks, per_task))
+    return {name: {"loss": float(s / n) if n else None, "tokens": int(n)}
+            for name, (s, n) in zip(run.data.tasks, task_sums.tolist())}
 
 
 def _evaluate_step(run, meters: _Meters) -> dict:
@@ -250,6 +259,9 @@ def evaluate(run) -> dict:
     if tasks:
         out["val_loss_by_task"] = {name: t[0] / t[1] if t is not None and t[1] else None
                                    for name, t in zip(tasks, per_task)}
+        figures = run.objective.task_metrics(run.strategy.dp_sum)
+        if figures is not None:  # a preference objective's rewards and accuracy per task
+            out[f"val_{run.objective.name}_by_task"] = dict(zip(tasks, figures))
     return out
 
 

@@ -17,9 +17,16 @@ def token_loss_sum(model, batch: dict, precision, tasks=None, router=None, objec
     (trainer/objectives/objective.py). With `tasks` (TaskLosses) and rows that carry their task (data.kind=mixture),
     each row's sum is also added to its task's. `router`: the model's RouterBalance, whose forward arguments it takes
     (no load-balancing term)."""
+    if objective is not None:
+        batch = objective.prepare(batch)
+    return _loss_sum(forward_logits(model, batch, precision, router), batch, tasks, objective)
+
+
+def forward_logits(model, batch: dict, precision, router=None) -> torch.Tensor:
+    """The logits of the batch's forward, as every loss takes them (under the precision's autocast; a mixture of
+    experts asked for no router logits)."""
     with precision.autocast():
-        logits = _forward(model, batch, router.forward_kwargs if router is not None else {}).logits
-    return _loss_sum(logits, batch, tasks, objective)
+        return _forward(model, batch, router.forward_kwargs if router is not None else {}).logits
 
 
 def micro_batch_losses(model, batch: dict, precision, tasks=None, router=None, cp=None, objective=None):
@@ -28,6 +35,8 @@ def micro_batch_losses(model, batch: dict, precision, tasks=None, router=None, c
     sequences)."""
     if router is None or router.coef == 0:
         return token_loss_sum(model, batch, precision, tasks, router, objective), None
+    if objective is not None:
+        batch = objective.prepare(batch)
     with precision.autocast(), router.capturing() as router_logits:
         logits = _forward(model, batch, router.forward_kwargs).logits
     return _loss_sum(logits, batch, tasks, objective), router.term(router_logits, cp)

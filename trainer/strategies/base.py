@@ -110,6 +110,15 @@ class Strategy:
         create its optimizer with `build_optimizer(named_parameters)`."""
         raise NotImplementedError
 
+    def setup_frozen(self, model, initial_weights=None):
+        """Parallelize a second model as setup did the trained one, for forward passes only (no optimizer, no
+        gradients, eval mode; a preference objective's live reference) -> the module to call. Each rank holds it
+        whole here."""
+        model.requires_grad_(False)
+        self.prepare_blocks(model)  # compiled like the trained model's blocks, so both compute alike
+        self.load_initial_weights(model, initial_weights)
+        return model.to(self.device).eval()
+
     def prepare_blocks(self, model) -> None:
         """Activation checkpointing, then compile, on the decoder blocks: each strategy's setup calls it once the
         blocks are what they will compute with (after tensor parallelism, before FSDP or another wrapper)."""

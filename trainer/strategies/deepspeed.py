@@ -381,6 +381,24 @@ class DeepSpeedStrategy(Strategy):
         self.optimizer = optimizer
         return self.model, self.optimizer
 
+    def setup_frozen(self, model, initial_weights=None):
+        """A frozen model in an engine of its own without an optimizer (as TRL prepares a reference): ZeRO-3
+        partitions it like the trained model (parameter offload too), ZeRO-1/2 keep it whole (stage 0) in the
+        engine's precision."""
+        import deepspeed  # ZeRO runs only (start-up)
+
+        model.requires_grad_(False)
+        self.prepare_blocks(model)
+        self.load_initial_weights(model, initial_weights)
+        config = dict(self.ds_config)
+        if self.cfg.strategy.zero_stage != 3:
+            config["zero_optimization"] = {"stage": 0}
+        self.frozen_engine, _, _, _ = deepspeed.initialize(model=model.to(self.device), config=config)
+        self.frozen_engine.eval()  # the engine's eval() returns nothing
+        return self.frozen_engine
+
+    frozen_engine = None
+
     @torch.no_grad()
     def load_initial_weights(self, model, initial_weights) -> None:
         if initial_weights is None or self.cfg.strategy.zero_stage != 3:
@@ -533,6 +551,6 @@ class DeepSpeedStrategy(Strategy):
 
     def close(self) -> None:
         super().close()
-        self.engine = None
+        self.engine = self.frozen_engine = None
         self._hf_ds_config = None
 

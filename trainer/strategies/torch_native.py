@@ -402,12 +402,27 @@ class TorchNativeStrategy(Strategy):
         for t in local:
             t.copy_(total)
 
+    def setup_frozen(self, model, initial_weights=None):
+        """The trained model's parallelism (tp, ep, FSDP over the same meshes) on a frozen model; never with pipeline
+        stages (the objectives that ask for one refuse pp). Its shards count as frozen parameters in the memory
+        report."""
+        model.tie_weights()
+        model.requires_grad_(False)
+        self._parallelize(model, model)
+        self._load_full_tensors(named_tensors(model), initial_weights)
+        self.frozen_shards += list(model.parameters())
+        return model.eval()
+
     @torch.no_grad()
     def load_initial_weights(self, model, initial_weights) -> None:
         """Each rank writes its part of every tensor of its stages (`model` is unused: the stages are)."""
         targets = {}
         for _, part in self.parts:
             targets.update(named_tensors(part))
+        self._load_full_tensors(targets, initial_weights)
+
+    @torch.no_grad()
+    def _load_full_tensors(self, targets: dict, initial_weights) -> None:
         if is_checkpoint(initial_weights):
             F2.missing_pretrained(initial_weights, [(n, t) for n, t in targets.items()
                                                     if isinstance(t, nn.Parameter)])

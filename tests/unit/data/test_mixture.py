@@ -80,13 +80,34 @@ def test_rows_carry_their_task_and_are_counted_by_their_source():
     assert mix.count_targets([4, 0, 7]) == 20 + 10 + 20 and len(mix) == 8
 
 
+class _Pairs(_Part):
+    """A preference source: each item two rows (chosen, rejected) and one pair id."""
+
+    def get(self, indices):
+        import torch
+
+        rows = torch.tensor([[self.source, i, side] for i in indices for side in (0, 1)])
+        return {"input_ids": rows, "labels": rows, "pair_ids": torch.tensor(list(indices)),
+                "reference_logps": rows[:, 1] * 10.0 + rows[:, 2]}
+
+
+def test_a_pair_keeps_its_two_rows_together_and_carries_one_task():
+    mix = MixtureSequences([_Pairs(0, 3), _Pairs(1, 5)])
+    batch = mix.get([4, 0, 7])
+    assert batch["input_ids"].tolist() == [[1, 1, 0], [1, 1, 1], [0, 0, 0], [0, 0, 1], [1, 4, 0], [1, 4, 1]]
+    assert batch["pair_ids"].tolist() == [1, 0, 4] and batch["task"].tolist() == [1, 0, 1]
+    assert batch["reference_logps"].tolist() == [10.0, 11.0, 0.0, 1.0, 40.0, 41.0]
+
+
 @pytest.mark.parametrize("sources,expected", [
     ("[{name: a, path: x.txt, weight: -1}, {name: b, path: y.txt, weight: 1}]", "data.sources[0].weight=-1.0 must be >= 0"),
     ("[{name: a, path: x.txt, weight: 0}, {name: b, path: y.txt, weight: 0}]", "sum to zero"),
     ("[{name: a, path: x.txt, weight: 1}, {name: b, path: y.txt}]", "set a weight on every source, or on none"),
     ("[{name: a, path: x.txt}, {name: a, path: y.txt}]", "data.sources[1].name='a' names two sources"),
     ("[{name: 'a b', path: x.txt}]", "must be a name of letters, digits"),
-    ("[{name: a, kind: hub, path: x}]", "data.sources[0].kind='hub' is not one of text, sft, tokens"),
+    ("[{name: a, kind: hub, path: x}]", "data.sources[0].kind='hub' is not one of text, sft, tokens, preference"),
+    ("[{name: a, kind: preference, path: x.json}, {name: b, kind: sft, path: y.json}]",
+     "a mixture's sources are all kind=preference or none"),
     ("[{name: a}]", "data.sources[0].path must be set"),
     ("[]", "data.kind=mixture needs data.sources"),
 ])

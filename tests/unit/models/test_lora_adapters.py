@@ -167,3 +167,19 @@ def test_qlora_is_refused_where_bitsandbytes_has_no_4bit_kernels(compose, monkey
     assert len(problems) == 1 and "peft.quantization=nf4: bitsandbytes has no 4-bit support on cpu" in problems[0]
     _one(_problems(compose, ["peft=lora", "peft.quantization=nf4", "strategy=zero2"], world_size=2),
          "(QLoRA) is available with strategy=single or ddp", "strategy=zero2")
+
+
+def test_base_only_runs_the_base_model_and_puts_everything_back():
+    """The live reference of a LoRA run (objective.reference=on_the_fly): with adapters and a fully trained
+    embedding copy (modules_to_save) changed, base_only gives the base model's logits bit for bit; afterwards the
+    adapters act again, the model is in train mode and the same parameters require gradients."""
+    base, model, _ = _random_adapted("llama", modules_to_save=["embed_tokens"], dropout=0.1)
+    ids = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(1))
+    model.train()
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    with torch.no_grad():
+        off = lora.Adapters.base_only(model, lambda: model(ids).logits)
+        assert torch.equal(off, base(ids).logits)
+        assert model.training and [n for n, p in model.named_parameters() if p.requires_grad] == trainable
+        model.eval()
+        assert not torch.allclose(model(ids).logits, off, atol=1e-3)  # the adapters are back on
