@@ -74,11 +74,18 @@ def single(pairs, tmp_path_factory):
     return root, recs
 
 
-def test_tensor_parallel_scores_its_reference_and_trains_the_one_process_curve(pairs, single, tmp_path):
-    proc = launch("torchrun", _overrides(pairs, tmp_path / "cache", ["strategy=tp"]), tmp_path / "run", nproc=2)
+OWN_SCORING = {"tp": ("torchrun", 2, ["strategy=tp"]),
+               "zero1": ("deepspeed", 2, ["strategy=zero1"]),  # ZeRO-3 (offloaded): below, against the live reference
+               "hsdp": ("torchrun", 4, ["strategy=hsdp"])}  # 2 replicas x 2 shards
+
+
+@pytest.mark.parametrize("name", OWN_SCORING)
+def test_every_backend_scores_its_reference_and_trains_the_one_process_curve(pairs, single, tmp_path, name):
+    launcher, nproc, extra = OWN_SCORING[name]
+    proc = launch(launcher, _overrides(pairs, tmp_path / "cache", extra), tmp_path / "run", nproc=nproc)
     ok(proc)
     assert "scoring 160 preference pairs" in proc.stdout + proc.stderr
-    _check("tp", metrics(tmp_path / "run"), single[1])
+    _check(name, metrics(tmp_path / "run"), single[1])
 
 
 LIVE = {  # (launcher, ranks, overrides, what the live reference is)

@@ -36,6 +36,8 @@ from models.lora import Adapters, meta_adapted
 from tessera.errors import EXIT_BAD_INPUT, ConfigError, TesseraError, one_line
 from trainer.config import schema as C
 from trainer.config.compose import CONF_DIR, compose
+from trainer.data.preference import holds_pairs
+from trainer.objectives.preference import NEEDS_REFERENCE
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.expert_parallel import expert_modules
 from trainer.parallel.pipeline import SCHEDULES, stage_indices, stages_per_rank
@@ -101,6 +103,7 @@ class Estimate:
     master_params: float = 0.0
     buffers: float = 0.0  # transient: gathered FSDP blocks, ZeRO buckets beyond gradients
     activations: float = 0.0
+    reference: float = 0.0  # objective.reference=on_the_fly: the frozen reference copy (sharded like the model)
     host_params: float = 0.0  # offloaded model states (host RAM, per process)
     host_load: float = 0.0  # host RAM per process while the model is built/loaded
     notes: List[str] = field(default_factory=list)
@@ -112,7 +115,7 @@ class Estimate:
 
     @property
     def device_total(self) -> float:
-        return self.model_states + self.buffers + self.activations
+        return self.model_states + self.buffers + self.activations + self.reference
 
 
 def _stage_share(cfg, dims, counts: Counts, info) -> tuple:
@@ -141,7 +144,8 @@ def _stage_share(cfg, dims, counts: Counts, info) -> tuple:
 def activation_bytes(cfg, info, dims, layers_here: int) -> float:
     """Estimate of what autograd keeps for one step on the heaviest rank (bytes)."""
     t = cfg.train
-    tokens = t.micro_batch_size * cfg.data.seq_len / max(getattr(dims, "cp", 1), 1)  # a context rank's share
+    rows = 2 if holds_pairs(cfg.data) else 1  # a preference pair is two rows (chosen, rejected)
+    tokens = rows * t.micro_batch_size * cfg.data.seq_len / max(getattr(dims, "cp", 1), 1)  # a context rank's share
     h, hkv = info.hidden_size, info.hidden_size * info.num_kv_heads // max(info.num_heads, 1)
     inter = getattr(info.hf_config, "intermediate_size", None) or getattr(info.hf_config, "n_inner", None) or 4 * h
     a = element_bytes(cfg.precision.name)
@@ -193,11 +197,21 @@ def estimate(cfg, world_size: int, info, counts: Optional[Counts] = None) -> Est
     if cls is None:  # an unknown strategy: the config problems say so
         return est
     MODEL_STATES[cls](est, cfg, dims, counts, rank_params)  # each strategy's own rules
+    if _live_reference_copy(cfg):  # the same weights held again, as the trained model holds them (no gradients)
+        est.reference = est.params
+        est.notes.append("objective.reference=on_the_fly: a frozen copy of the model, held as the model is")
     if cfg.peft.name != "none" and model is not None:
         lora_states(est, cfg, info, model)
     est.notes.append(f"host RAM per node while loading: {est.host_load * min(nproc, _local_procs()) / GIB:.2f} GiB "
                      f"({min(nproc, _local_procs())} processes)")
     return est
+
+
+def _live_reference_copy(cfg) -> bool:
+    """Whether the run holds a second, frozen model (DPO / IPO with the live reference and no LoRA: LoRA's live
+    reference is its own base with adapters off)."""
+    o = cfg.objective
+    return o.reference == "on_the_fly" and NEEDS_REFERENCE.get(o.name, False) and cfg.peft.name == "none"
 
 
 # bitsandbytes' nf4 with double quantization: 4 bits per weight, an 8-bit scale per block of 64 and an fp32 scale of
@@ -278,6 +292,7 @@ def report(cfg, world_size: int, info, est: Estimate, device_gib: Optional[float
               f"  model states   {_gib(est.model_states)}",
               f"  buffers        {_gib(est.buffers)}  (transient: gathered blocks / reduction buckets)",
               f"  activations    {_gib(est.activations)}  (estimate)",
+              *([f"  reference      {_gib(est.reference)}  (objective.reference=on_the_fly)"] if est.reference else []),
               f"  device total   {_gib(est.device_total)}",
               f"  host, offload  {_gib(est.host_params)}",
               f"  host, loading  {_gib(est.host_load)}  (per process)"]

@@ -177,3 +177,18 @@ def test_expert_parallelism_gathers_a_share_of_each_blocks_experts(tmp_path):
     tp_ep = P.estimate(compose_config(tp_model + ["strategy.ep=2"]), 4, info)
     assert not tp_ep.problems and tp_plain.params == tp_ep.params == 879_744
     assert tp_plain.buffers - tp_ep.buffers == pytest.approx(2 * 4 * experts / 2)
+
+
+def test_preference_pairs_double_the_rows_and_a_live_reference_holds_the_model_again():
+    """data=preference: a micro-batch of pairs is twice the rows; objective.reference=on_the_fly holds a frozen copy
+    of the model as the model is held (FSDP: its shards), nothing more with LoRA (the base with adapters off)."""
+    pairs = ["data=preference", "data.path=p.jsonl", "objective=dpo"]
+    for strategy, world in (("single", 1), ("fsdp", 2), ("zero3", 4)):
+        lm, _, _ = _est([f"strategy={strategy}"], world)
+        offline, _, _ = _est([f"strategy={strategy}", *pairs], world)
+        live, _, _ = _est([f"strategy={strategy}", *pairs, "objective.reference=on_the_fly"], world)
+        assert offline.activations == pytest.approx(2 * lm.activations, rel=1e-6) and offline.reference == 0
+        assert live.reference == offline.params > 0 and live.device_total == offline.device_total + offline.params
+    lora, _, _ = _est(["strategy=fsdp", "peft=lora", *pairs, "objective.reference=on_the_fly"], 2)
+    simpo, _, _ = _est(["strategy=fsdp", *pairs, "objective=simpo"], 2)
+    assert lora.reference == 0 and simpo.reference == 0
