@@ -122,3 +122,36 @@ def test_the_tokenize_command_refuses_preference_data():
     """python -m trainer.tokenize builds text and SFT stores; preference pairs are tokenized by the run itself."""
     with pytest.raises(DataError, match="data=preference has no token store of its own"):
         store_kind(DataConfig(kind="preference", path="pairs.jsonl"))
+
+
+def test_json_parquet_and_hub_records_give_the_jsonl_pairs(tmp_path, tok, monkeypatch):
+    """The same records as a JSON array, a parquet file and a hub dataset (datasets.load_dataset answering for the
+    hub) give the JSONL file's pairs token for token."""
+    import datasets
+
+    records = [STANDARD, {"prompt": "Count to two.", "chosen": "One, two.", "rejected": "Two, one."}]
+    want = _build(tmp_path / "jsonl", records)
+    as_json = tmp_path / "json" / "pairs.json"
+    as_json.parent.mkdir()
+    as_json.write_text(json.dumps(records))
+    as_parquet = tmp_path / "pairs.parquet"
+    datasets.Dataset.from_list(records).to_parquet(str(as_parquet))
+    real, calls = datasets.load_dataset, []
+
+    def load_dataset(name, *args, **kw):  # the hub's name answered with the records; files read for real
+        calls.append(name)
+        return datasets.Dataset.from_list(records) if name == "org/pairs" else real(name, *args, **kw)
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+
+    def config(**data):
+        cfg = TesseraConfig()
+        cfg.data = DataConfig(kind="preference", cache_dir=str(tmp_path / "cache"), val_fraction=0.0, seq_len=256,
+                              **data)
+        return cfg
+
+    for cfg in (config(path=str(as_json)), config(path=str(as_parquet)), config(name="org/pairs")):
+        got = build_data(cfg, tok, VOCAB, log=lambda m: None)
+        for key in ("input_ids", "labels"):
+            assert np.array_equal(got.train.get([0, 1])[key], want.train.get([0, 1])[key]), cfg.data
+    assert calls[-1] == "org/pairs" and "parquet" in calls
