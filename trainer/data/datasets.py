@@ -215,6 +215,8 @@ def _build_source(d, tokenizer, vocab_size: int, log: Callable[[str], None], whe
         sft.ensure_chat_template(tokenizer, d.chat_template)
     key = {"source": sources.describe_source(d), "tokenizer": tokenizer_fingerprint(tokenizer),
            "kind": d.kind, "embedded": EMBEDDED_VERSION if d.kind == "embedded" else None}
+    if d.kind in sources.CHAT_KINDS:
+        key["render"] = sft.RENDER_VERSION
     note = (f"tokenization cache {cache_dir}: this run spans several nodes; nodes that share this folder tokenize "
             f"once, together, a node-local folder gets its own copy on each node (data.cache_dir=<a shared folder> "
             f"tokenizes once)") if env_spans_nodes() else ""

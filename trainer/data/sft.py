@@ -15,6 +15,11 @@ import numpy as np
 
 from tessera.errors import DataError
 
+# The version of how chat records become tokens and masks (shapes, tools, per-message weights), in the caches' and
+# token stores' identity: a cache built by an older rendering is not reused (2: tools, tool calls and per-message
+# weights reach the template; before, a record's `tools` and `weight` fields were ignored).
+RENDER_VERSION = 2
+
 # Without tools and tool calls it renders exactly what it did before they existed (plain conversations give the
 # same tokens and masks; the cache key, a hash of the template's text, changed once): `<|tools|>` + the schemas'
 # JSON first, each tool call as `<|tool_call|>` + its JSON inside the assistant turn, tool results as `<|tool|>`.

@@ -98,6 +98,7 @@ def plan_of(src: Source, fingerprint: str, vocab_size: int, shard_bytes: int, sh
         identity["hub"] = [d.name, d.config_name, d.split, d.revision]
     if d.kind == "sft":
         identity["chat_template"] = src.tokenizer.chat_template
+        identity["render"] = sft.RENDER_VERSION
         identity.update({k: dict(getattr(d, k)) for k in ("columns", "roles") if getattr(d, k)})  # where set only
     if not specs:
         raise DataError("the data source has no documents or records to tokenize")

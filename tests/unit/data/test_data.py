@@ -574,3 +574,19 @@ def test_sft_hub_dataset_unreachable_names_it_and_the_local_override(tmp_path, t
     assert str(info.value) == ("data.name='org/alpaca': cannot load the hub dataset (split 'train'): Couldn't reach "
                                "'org/alpaca' on the Hub (OfflineModeIsEnabled); without hub access, train on a "
                                "local copy with data.path=<a local copy of the records>")
+
+
+def test_a_cache_of_an_older_chat_rendering_is_not_reused(tmp_path, tok, monkeypatch):
+    """SFT caches carry the chat rendering's version: after a change in how records become tokens (tools and
+    per-message weights reaching the template) the entry is built again, never read stale."""
+    from trainer.data import sft
+
+    path = tmp_path / "alpaca.json"
+    path.write_text(json.dumps(ALPACA[:2]))
+    cfg = _cfg(tmp_path, kind="sft", path=str(path), seq_len=128)
+    logs, log = _logs()
+    build_data(cfg, tok, VOCAB, log=log)
+    build_data(cfg, tok, VOCAB, log=log)
+    monkeypatch.setattr(sft, "RENDER_VERSION", sft.RENDER_VERSION + 1)
+    build_data(cfg, tok, VOCAB, log=log)
+    assert sum(m.startswith("tokenized") for m in logs) == 2 and len(_cache_entries(cfg.data.cache_dir)) == 2
