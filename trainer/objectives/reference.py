@@ -82,6 +82,15 @@ class LiveReference:
         return torch.cat(out).float()
 
 
+def live_reference(cfg) -> Optional[str]:
+    """What objective.reference=on_the_fly holds for an objective with a reference: "adapters_off" (a LoRA run's own
+    base with its adapters off) or "copy" (a second, frozen model); None for the offline scores or no reference."""
+    o = cfg.objective
+    if o.name == "lm" or o.reference != "on_the_fly" or not NEEDS_REFERENCE[o.name]:
+        return None
+    return "adapters_off" if cfg.peft.name != "none" else "copy"
+
+
 def add_reference_identity(cfg, data) -> None:
     """DPO / IPO: the reference scores' key joins the data's fingerprint (before a resume compares it); a mixture's
     preference sources each have their own scores and key."""

@@ -37,7 +37,7 @@ from tessera.errors import EXIT_BAD_INPUT, ConfigError, TesseraError, one_line
 from trainer.config import schema as C
 from trainer.config.compose import CONF_DIR, compose
 from trainer.data.preference import holds_pairs
-from trainer.objectives.preference import NEEDS_REFERENCE
+from trainer.objectives.reference import live_reference
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.expert_parallel import expert_modules
 from trainer.parallel.pipeline import SCHEDULES, stage_indices, stages_per_rank
@@ -197,7 +197,7 @@ def estimate(cfg, world_size: int, info, counts: Optional[Counts] = None) -> Est
     if cls is None:  # an unknown strategy: the config problems say so
         return est
     MODEL_STATES[cls](est, cfg, dims, counts, rank_params)  # each strategy's own rules
-    if _live_reference_copy(cfg):  # the same weights held again, as the trained model holds them (no gradients)
+    if live_reference(cfg) == "copy":  # the same weights held again, as the trained model holds them (no gradients)
         est.reference = est.params
         est.notes.append("objective.reference=on_the_fly: a frozen copy of the model, held as the model is")
     if cfg.peft.name != "none" and model is not None:
@@ -205,13 +205,6 @@ def estimate(cfg, world_size: int, info, counts: Optional[Counts] = None) -> Est
     est.notes.append(f"host RAM per node while loading: {est.host_load * min(nproc, _local_procs()) / GIB:.2f} GiB "
                      f"({min(nproc, _local_procs())} processes)")
     return est
-
-
-def _live_reference_copy(cfg) -> bool:
-    """Whether the run holds a second, frozen model (DPO / IPO with the live reference and no LoRA: LoRA's live
-    reference is its own base with adapters off)."""
-    o = cfg.objective
-    return o.reference == "on_the_fly" and NEEDS_REFERENCE.get(o.name, False) and cfg.peft.name == "none"
 
 
 # bitsandbytes' nf4 with double quantization: 4 bits per weight, an 8-bit scale per block of 64 and an fp32 scale of

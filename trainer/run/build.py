@@ -43,7 +43,7 @@ from trainer.run.agreement import check_agreement
 from trainer.run.optim import build_optimizer, build_scheduler
 from trainer.data.preference import holds_pairs, pair_problems
 from trainer.objectives.objective import LanguageModeling, build_objective, objective_problems
-from trainer.objectives.reference import LiveReference, add_reference_identity, attach_reference
+from trainer.objectives.reference import LiveReference, add_reference_identity, attach_reference, live_reference
 from trainer.run.loss import forward_logits
 from trainer.run.precision import Precision
 from trainer.run.router_loss import RouterBalance, aux_loss_coef, router_loss_problems, routes_tokens
@@ -274,7 +274,7 @@ def _build_model(p: Prepared, device, rank: int):
         initial = adapters.pretrained(initial, values) if is_checkpoint(initial) else \
             adapters.initial_units(initial, values)
     strategy.setup(model, lambda named: build_optimizer(cfg, named), initial)
-    if cfg.objective.reference == "on_the_fly" and strategy.objective.needs_reference:
+    if live_reference(cfg) is not None:
         strategy.objective.use_reference(LiveReference(_reference_forward(p, strategy, device)))
     scheduler = build_scheduler(cfg, strategy.optimizer)
     desc = f"{cfg.model.kind}:{cfg.model.name_or_path or 'preset'} {num_params / 1e6:.2f}M params"
@@ -304,7 +304,7 @@ def _reference_forward(p: Prepared, strategy, device):
     else a second model built and parallelized like the first, from the same weights, without drawing from the
     run's random streams."""
     router = strategy.router
-    if strategy.adapters is not None:
+    if live_reference(p.cfg) == "adapters_off":
         adapters, model = strategy.adapters, strategy.model
         log0("reference model: the trained model's base with its adapters off (objective.reference=on_the_fly)")
         return lambda batch: adapters.base_only(model, lambda: forward_logits(model, batch, strategy.precision, router))
