@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tests.integration.conftest import SMALL, check_parity, launch, metrics, ok, short_documents
+from tests.integration.conftest import SMALL, check_parity, launch, metrics, ok, read_jsonl, short_documents
 
 STEPS = 4
 # Grouped-query attention with heads and key/value heads that split 4 ways (also per tensor-parallel rank of 2).
@@ -47,6 +47,7 @@ CASES = {
     "fsdp2_x_cp2-packed": (4, True, ["strategy=fsdp", "strategy.cp=2"]),
     "tp2_x_cp2-packed": (4, True, ["strategy=fsdp_tp", "strategy.tp=2", "strategy.cp=2"]),
     "hsdp2_x_cp2": (4, False, ["strategy=hsdp", "strategy.dp_replicate=2", "strategy.dp_shard=1", "strategy.cp=2"]),
+    "pp2_x_cp2": (4, False, ["strategy=pp", "strategy.pp=2", "strategy.pp_schedule=1f1b", "strategy.cp=2"]),
 }
 
 
@@ -57,6 +58,32 @@ def test_context_parallel_trains_the_one_process_curve(documents, references, tm
     ok(proc)
     assert f"cp {extra[-1].split('=')[1]} ulysses" in proc.stdout + proc.stderr  # the start line names it
     check_parity(f"cp {name}", metrics(tmp_path), references["packed" if packed else "plain"], steps=STEPS)
+
+
+def test_pipeline_stages_over_context_ranks_evaluate_and_resume_without_them(tmp_path):
+    """pp=2 x cp=2 with two stages per rank (interleaved 1F1B, 4 layers): every stage runs the rank's shard with the
+    shard's positions; the curve and the evaluations (forward only, stage by stage) are one process's; the step-2
+    checkpoint resumes under plain pp=2 and continues that curve."""
+    extra = ["model.num_layers=4", "eval.every=2", "eval.max_sequences=8"]
+    single = tmp_path / "single"
+    ok(launch("python", _overrides(None, ["strategy=single", *extra]), single))
+    first = tmp_path / "pp_cp"
+    ok(launch("torchrun", _overrides(None, ["strategy=pp", "strategy.pp=2", "strategy.cp=2", "checkpoint.every=2",
+                                            "strategy.pp_schedule=interleaved_1f1b", "strategy.pp_stages_per_rank=2",
+                                            *extra]), first, nproc=4))
+    check_parity("pp2 x cp2 interleaved", metrics(first), metrics(single), steps=STEPS)
+    evals, ref_evals = read_jsonl(first / "eval.jsonl"), read_jsonl(single / "eval.jsonl")
+    assert [e["step"] for e in evals] == [e["step"] for e in ref_evals] == [2, 4], evals
+    for e, ref in zip(evals, ref_evals):
+        assert e["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-6), (e, ref)
+    resumed = tmp_path / "resumed"
+    ok(launch("torchrun", _overrides(None, ["strategy=pp", "strategy.pp=2", "strategy.pp_schedule=1f1b", *extra,
+                                            f"checkpoint.resume={first}/checkpoints/step_2"]), resumed, nproc=2))
+    recs, ref = metrics(resumed), {r["step"]: r for r in metrics(single)}
+    assert [r["step"] for r in recs] == [3, 4], recs
+    for r in recs:
+        assert r["loss"] == pytest.approx(ref[r["step"]]["loss"], rel=1e-6)
+        assert r["grad_norm"] == pytest.approx(ref[r["step"]]["grad_norm"], rel=1e-6)
 
 
 def test_eager_attention_and_a_checkpoint_without_context_ranks(documents, references, tmp_path):

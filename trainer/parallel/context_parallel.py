@@ -43,9 +43,6 @@ def cp_problems(cfg, info, dims, device_type: str) -> List[str]:
         return [] if s.cp_impl == "ulysses" else ["strategy.cp_impl=ring is read with strategy.cp > 1 only"]
     text = info.hf_config.get_text_config() if hasattr(info.hf_config, "get_text_config") else info.hf_config
     problems = []
-    if dims.pp > 1:
-        problems.append(f"strategy.cp={cp} with pipeline parallelism (strategy.pp={dims.pp}) is not supported: the "
-                        f"stages pass hidden states without the shard's positions; use strategy.pp=1")
     if s.sequence_parallel:
         problems.append("strategy.sequence_parallel=true with strategy.cp > 1 is not supported (both split the "
                         "sequence); set strategy.sequence_parallel=false")

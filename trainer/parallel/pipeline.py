@@ -59,15 +59,21 @@ class ZeroPositions(nn.Module):
 
 
 class StageModule(nn.Module):
-    """One pipeline stage: input ids (first stage) or hidden states in, hidden states or logits out."""
+    """One pipeline stage: input ids (first stage) or hidden states in, hidden states or logits out; every stage
+    is given the same position ids where there are any (the schedule splits them into micro-batches as the
+    inputs)."""
 
     def __init__(self, lm: nn.Module, first: bool, last: bool):
         super().__init__()
         self.lm = lm
         self.first, self.last = first, last
 
-    def forward(self, x):
+    def forward(self, x, position_ids=None):
+        # position_ids: a context-parallel shard's positions (strategy.cp), the same for every stage; else the
+        # model counts positions from 0
         inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
+        if position_ids is not None:
+            inputs["position_ids"] = position_ids
         if self.last:
             return self.lm(**inputs, use_cache=False).logits
         # Earlier stages: the base model's hidden states (the causal LM would hand out a view of them, which

@@ -44,7 +44,7 @@ from trainer.checkpoint.saved import SavedCheckpoint
 from trainer.config import schema as C
 from trainer.data.datasets import IGNORE
 from trainer.parallel import fsdp as F2
-from trainer.parallel.context_parallel import ContextParallel, cp_problems
+from trainer.parallel.context_parallel import ContextParallel, cp_problems, sharded_or_whole
 from trainer.parallel.dims import device_type
 from trainer.parallel.expert_parallel import apply_ep, ep_problems, expert_modules
 from trainer.parallel.grad_norm import clip_to_norm, world_square_sum
@@ -181,7 +181,8 @@ class TorchNativeStrategy(Strategy):
             # interleaved_zb and zbv, 3e-4 with dualpipev; the other schedules match to 1e-7.
             problems.append(f"strategy.pp_schedule={s.pp_schedule} splits the backward into input and weight "
                             f"passes, which FSDP's gradient reduction does not follow (torch's pipelining drops "
-                            f"part of the weight gradients): with data parallelism (degree {dims.dp_size}) use "
+                            f"part of the weight gradients): with data or context parallelism (data-parallel "
+                            f"degree {dims.dp_size}, strategy.cp={dims.cp}) use "
                             f"strategy.pp_schedule=1f1b, interleaved_1f1b, looped_bfs or gpipe; the zero-bubble "
                             f"schedules run with pipeline (and tensor) parallelism alone")
         n_stages = dims.pp * stages_per_rank(s)
@@ -478,20 +479,21 @@ class TorchNativeStrategy(Strategy):
         if self.dims.pp == 1:
             return super().forward_backward(micro_batches, num_target_tokens, grad_weight)
         self._n_target = num_target_tokens
-        inputs = to_device(torch.cat([b["input_ids"] for b in micro_batches]), self.device)
-        labels = to_device(torch.cat([b["labels"] for b in micro_batches]), self.device)
-        args = (inputs,) if self.has_first_stage else ()
-        target = labels if self.has_last_stage else None
+        batch = {key: to_device(torch.cat([b[key] for b in micro_batches]), self.device)
+                 for key in ("input_ids", "labels")}
         losses = [] if self.has_last_stage else None  # the schedule's own: each real micro-batch's loss_fn value
-        with self.precision.autocast():
-            self.schedule.step(*args, target=target, losses=losses)
+        with sharded_or_whole(self.cp, batch) as batch:  # strategy.cp: every stage runs this rank's shard
+            args = (batch["input_ids"],) if self.has_first_stage else ()
+            target = batch["labels"] if self.has_last_stage else None
+            with self.precision.autocast():
+                self.schedule.step(*args, target=target, losses=losses, **_stage_kwargs(batch))
         if self.tied:
             self._sum_tied_grads()
         total = torch.zeros((), device=self.device)
         if losses:
             total = self.precision.unscale_value(torch.stack([loss.detach() for loss in losses]).sum())
             total = total * num_target_tokens
-        return self._pp_sum(total)
+        return self._pp_sum(self.cp.total(total) if self.cp is not None else total)
 
     def _pp_sum(self, t: torch.Tensor) -> torch.Tensor:
         """Only the last stage has the loss: share it with the other stages of this pipeline."""
@@ -519,25 +521,33 @@ class TorchNativeStrategy(Strategy):
         for r in range(self.dims.pp):
             for stage in stage_indices(r, self.dims.pp, self.num_stages // self.dims.pp, v_shape):
                 owner[stage] = r
+        for batch in micro_batches:
+            batch = {k: v.to(self.device) for k, v in batch.items() if k in ("input_ids", "labels")}
+            with sharded_or_whole(self.cp, batch) as batch:
+                total += self._stages_forward(batch, owner)
+        return self._pp_sum(self.cp.total(total) if self.cp is not None else total)
+
+    def _stages_forward(self, batch: dict, owner: dict) -> torch.Tensor:
+        """One batch through this rank's stages (hidden states sent on to the next stage's rank); -> the CE sum on
+        the last stage's rank, else 0."""
         peers = dist.get_process_group_ranks(self.pp_group)
         hidden_size = self.parts[0][1].config.get_text_config().hidden_size
-        for batch in micro_batches:
-            ids = batch["input_ids"].to(self.device)
-            x = None
-            for stage in range(self.num_stages):
-                if owner[stage] != self.pp_rank:
-                    continue
-                if stage > 0 and owner[stage - 1] != self.pp_rank:
-                    x = torch.empty(*ids.shape, hidden_size, device=self.device)
-                    dist.recv(x, src=peers[owner[stage - 1]], group=self.pp_group)
-                with self.precision.autocast():
-                    x = self.stage_modules[stage](ids if stage == 0 else x)
-                if stage == self.num_stages - 1:
-                    total += F.cross_entropy(x.float().flatten(0, 1), batch["labels"].to(self.device).flatten(),
-                                             ignore_index=IGNORE, reduction="sum")
-                elif owner[stage + 1] != self.pp_rank:
-                    dist.send(x.float().contiguous(), dst=peers[owner[stage + 1]], group=self.pp_group)
-        return self._pp_sum(total)
+        ids, kwargs = batch["input_ids"], _stage_kwargs(batch)
+        x, total = None, torch.zeros((), device=self.device)
+        for stage in range(self.num_stages):
+            if owner[stage] != self.pp_rank:
+                continue
+            if stage > 0 and owner[stage - 1] != self.pp_rank:
+                x = torch.empty(*ids.shape, hidden_size, device=self.device)
+                dist.recv(x, src=peers[owner[stage - 1]], group=self.pp_group)
+            with self.precision.autocast():
+                x = self.stage_modules[stage](ids if stage == 0 else x, **kwargs)
+            if stage == self.num_stages - 1:
+                total += F.cross_entropy(x.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE,
+                                         reduction="sum")
+            elif owner[stage + 1] != self.pp_rank:
+                dist.send(x.float().contiguous(), dst=peers[owner[stage + 1]], group=self.pp_group)
+        return total
 
     # ---- the rest of a step ----------------------------------------------------------------------------------
     def dp_group(self):
@@ -630,6 +640,11 @@ class TorchNativeStrategy(Strategy):
                 yield name, t
             else:
                 yield name, torch.empty(0)
+
+
+def _stage_kwargs(batch: dict) -> dict:
+    """What every pipeline stage is given beside its input: a context-parallel shard's position ids."""
+    return {"position_ids": batch["shard_position_ids"]} if "shard_position_ids" in batch else {}
 
 
 @torch.no_grad()

@@ -214,6 +214,17 @@ def test_check_parallel_degree_problems(compose):
     _only_one(problems, "strategy.dp_replicate=3", "world size is 2")
 
 
+def test_check_pipeline_stages_over_context_ranks(compose):
+    """pp x cp composes (FSDP sums the context ranks' gradients), so the split-backward schedules are refused as
+    with data parallelism; 1F1B is not."""
+    base = ["strategy=pp", "strategy.pp=2", "strategy.cp=2", "train.global_batch_size=8", "train.micro_batch_size=2"]
+    dims = check(compose(base + ["strategy.pp_schedule=1f1b"]), 4)[0]
+    assert (dims.pp, dims.cp, dims.dp_size) == (2, 2, 1)
+    problems = _check_problems(compose(base + ["strategy.pp_schedule=zbv"]), 4)
+    _only_one(problems, "strategy.pp_schedule=zbv splits the backward", "data-parallel degree 1, strategy.cp=2")
+    assert len(problems) == 1, problems
+
+
 def test_check_missing_paths_for_file_data(compose):
     problems = _check_problems(compose(["data=text"]), 1)
     _only_one(problems, "data.path must be set", "data.kind=text")

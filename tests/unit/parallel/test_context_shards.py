@@ -74,12 +74,14 @@ def test_heads_split_over_tensor_and_context_ranks():
     assert "key/value heads" in cp_problems(_cfg(cp=2, tp=2), info, ParallelDims(1, 1, 2, 1, 4, cp=2), "cpu")[0]
 
 
-def test_sequence_pipeline_and_positions_problems():
+def test_sequence_and_positions_problems_and_pipeline_stages_accepted():
     dims = ParallelDims(1, 1, 1, 2, 4, cp=2)
     problems = cp_problems(_cfg(seq_len=30, cp=2, sequence_parallel=True), _info(LlamaConfig(**LLAMA)), dims, "cpu")
-    assert any("with pipeline parallelism (strategy.pp=2)" in p for p in problems)
+    assert len(problems) == 2, problems
     assert any("strategy.sequence_parallel=true with strategy.cp" in p for p in problems)
     assert any("data.seq_len=30 must be divisible by 2 x strategy.cp = 4" in p for p in problems)
+    # pipeline stages are handed the shard's positions (tests/integration/test_context_parallel.py)
+    assert cp_problems(_cfg(seq_len=32, cp=2), _info(LlamaConfig(**LLAMA)), dims, "cpu") == []
 
 
 def test_ring_needs_cuda_and_plain_causal_attention():
