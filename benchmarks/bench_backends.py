@@ -8,6 +8,8 @@ time less the bare loop's: the host work around the same math).
     python benchmarks/bench_backends.py                           # tiny preset, fp32, 2 ranks, 4 repeats
     python benchmarks/bench_backends.py --rows zero2,zero3 --repeats 6 --out /tmp/backends.json
     python benchmarks/bench_backends.py --quick --against hf      # debug-size model, 1 repeat, HF side only
+    python benchmarks/bench_backends.py --gpu 1b                  # a GPU machine: ~1B Llama, bf16, every row + MFU
+    python benchmarks/bench_backends.py --gpu 1b --dry-run        # the plan and Tessera's commands; runs nothing
 
 The HF side (`--against hf`; default bare,hf) runs transformers.Trainer under torchrun like the bare loops, with
 the same model, sequences, micro batch, accumulation, AdamW hyper-parameters and kernel, clipping, precision and
@@ -34,11 +36,15 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402
+from bench_gpu import SIZES, size_overrides  # noqa: E402
 from trainer.launch import ds_ops  # noqa: E402
 
 FULL = dict(model="tiny", precision="fp32", seq_len=256, global_batch=8, micro_batch=2, warmup=5, steps=30)
 QUICK = dict(model="tiny", precision="fp32", seq_len=32, global_batch=4, micro_batch=1, warmup=2, steps=4)
 ROWS = ("single", "ddp", "zero2", "zero3", "fsdp")
+# --gpu <size>: bench_gpu.py's Llama shape in bf16 at 2048 tokens, 4 sequences per GPU per forward, 2 micro-batches
+# per step on each rank of the distributed rows (global batch 8 x GPUs)
+GPU = dict(precision="bf16", seq_len=2048, micro_batch=4, warmup=3, steps=10)
 
 
 # ---- the bare loops and the HF Trainer (one process per rank, started by torchrun) ---------------------------------
@@ -285,6 +291,9 @@ def row_result(a, row: str, work: str) -> dict:
         out["overhead_ms"] = summary([1000 * (t - b) for t, b in zip(times["tessera"], times["bare"])])
     if "hf" in times:
         out["ratio_hf"] = summary([h / t for t, h in zip(times["tessera"], times["hf"])])
+    if a.peak_tflops:  # model FLOPs utilisation of every side: all positions / s x FLOPs per token / peak
+        per_s = a.flops_per_token * tokens / (a.peak_tflops * 1e12 * nproc_of(row, a))
+        out["mfu"] = {s: summary([per_s / x for x in v]) for s, v in times.items()}
     if not_run:
         out["not_run"] = not_run
     return out
@@ -302,6 +311,8 @@ def report(results: list, against: list) -> None:
         headers += ["bare loop tokens/s", "Tessera / bare", "overhead ms/step"]
     if "hf" in against:
         headers += ["HF Trainer tokens/s", "Tessera / HF"]
+    if any("mfu" in r for r in results):
+        headers += ["MFU " + " / ".join(("Tessera", *against))]
     for r in results:
         row = [r["row"], r["nproc"], rng(r, "tessera", None, "{:.0f}")]
         if "bare" in against:
@@ -309,6 +320,9 @@ def report(results: list, against: list) -> None:
                     rng(r, "bare", "overhead_ms", "{:+.1f}")]
         if "hf" in against:
             row += [rng(r, "hf", None, "{:.0f}"), rng(r, "hf", "ratio_hf", "{:.3f}")]
+        if "mfu" in r:
+            row += [" / ".join(f"{100 * r['mfu'][s]['median']:.1f}%" if s in r["mfu"] else "—"
+                               for s in ("tessera", *against))]
         cells.append(row)
     print("\n" + C.markdown_table(headers, cells))
     print("\nmedian [lowest, highest] over the repeats; ratios and overhead per repeat (Tessera and the other side "
@@ -321,31 +335,80 @@ def report(results: list, against: list) -> None:
 def main(argv=None) -> int:
     if argv is None and sys.argv[1:2] == ["--worker"]:  # one rank of a bare loop
         return worker(sys.argv[2])
+    a = parse(argv)
+    print(f"{a.model}{' ' + a.gpu if a.gpu else ''} | {a.precision} | seq_len {a.seq_len} | global batch "
+          f"{a.global_batch}, micro-batch {a.micro_batch} | {a.warmup} warm-up + {a.steps} steps x {a.repeats} repeats"
+          + (f" | {a.flops_per_token / 1e9:.2f} GFLOP per token, peak {a.peak_tflops} TFLOP/s" if a.peak_tflops
+             else ""), flush=True)
+    if a.dry_run:
+        return dry_run(a)
+    work = tempfile.mkdtemp(prefix="tessera-backends-")
+    try:
+        results = [row_result(a, row, work) for row in a.rows]
+    except C.RunFailed as e:
+        C.fail("bench_backends", str(e))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    report(results, a.against)
+    C.write_json(a.out, {"config": {k: getattr(a, k) for k in (*FULL, "threads", "repeats", "nproc", "against", "set",
+                                                               "gpu", "peak_tflops", "flops_per_token")},
+                         "rows": results})
+    return 0
+
+
+def parse(argv):
     ap = C.shape_parser(__doc__, FULL, QUICK)
     ap.add_argument("--rows", default=",".join(ROWS), help=f"comma list of {', '.join(ROWS)} (default all)")
-    ap.add_argument("--nproc", type=int, default=2, help="ranks of the distributed rows (default 2)")
+    ap.add_argument("--nproc", type=int, help="ranks of the distributed rows (default 2; --gpu: every GPU)")
     ap.add_argument("--against", default="bare,hf", help="sides measured next to Tessera, comma list of bare, hf "
                                                             "(default both)")
     ap.add_argument("--repeats", type=int, help="measurements per side, order rotated (default 4; --quick 1)")
-    a = C.finish_shape(ap, ap.parse_args(argv))
-    rows = [r for r in a.rows.split(",") if r]
-    if not rows or set(rows) - set(ROWS):
+    ap.add_argument("--gpu", choices=sorted(SIZES), help="a GPU machine's run: this Llama shape (bench_gpu.py's), "
+                                                        "bf16, seq 2048, micro-batch 4, 8 threads, MFU")
+    ap.add_argument("--peak-tflops", type=float, help="dense peak per device for MFU (default: the GPU's known one)")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan and Tessera's commands; run nothing")
+    a = ap.parse_args(argv)
+    if a.gpu:
+        gpus = _gpu_count()
+        if not gpus and not a.dry_run:
+            ap.error(f"--gpu {a.gpu} needs a CUDA device (none visible here); --dry-run prints its plan anywhere")
+        a.nproc = a.nproc or max(gpus, 1)
+        for key, value in {**GPU, "model": "llama_100m", "global_batch": 8 * a.nproc}.items():
+            setattr(a, key, getattr(a, key) if getattr(a, key) is not None else value)
+        a.threads = 8 if a.threads == 1 else a.threads
+        a.set = [o for o in size_overrides(a.gpu, a.seq_len) if not o.startswith("model=")] + a.set
+    a.nproc = a.nproc or 2
+    a = C.finish_shape(ap, a)
+    a.rows = [r for r in a.rows.split(",") if r]
+    if not a.rows or set(a.rows) - set(ROWS):
         ap.error(f"--rows takes a comma list of {', '.join(ROWS)}")
     against = {s for s in a.against.split(",") if s}
     if not against or against - {"bare", "hf"}:
         ap.error("--against takes a comma list of bare, hf")
     a.against = [s for s in ("bare", "hf") if s in against]
     a.repeats = a.repeats or (1 if a.quick else 4)
-    work = tempfile.mkdtemp(prefix="tessera-backends-")
-    try:
-        results = [row_result(a, row, work) for row in rows]
-    except C.RunFailed as e:
-        C.fail("bench_backends", str(e))
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    report(results, a.against)
-    C.write_json(a.out, {"config": {k: getattr(a, k) for k in (*FULL, "threads", "repeats", "nproc", "against", "set")},
-                         "rows": results})
+    a.peak_tflops = a.peak_tflops or C.known_peak_tflops()
+    a.flops_per_token = C.model_counts(C.shape_overrides(a), a.seq_len)["flops_per_token"] if a.peak_tflops else None
+    return a
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def dry_run(a) -> int:
+    from trainer.launch.choose import launcher_command, launcher_for
+
+    print("commands of Tessera's side (--dry-run: nothing is run; the bare and HF sides run the same overrides "
+          "under torch.distributed.run with this script's --worker):")
+    for row in a.rows:
+        overrides = [*C.shape_overrides(a), f"strategy={row}"]
+        launcher = launcher_for(overrides)
+        cmd = launcher_command("torchrun-quiet" if launcher == "torchrun" else launcher, nproc_of(row, a))
+        print(f"# {row} ({nproc_of(row, a)} ranks; sides: tessera, {', '.join(a.against)})\n"
+              + " ".join([*cmd, *overrides, f"hydra.run.dir=<work folder>/{row}"]))
     return 0
 
 

@@ -34,22 +34,8 @@ def size_overrides(size: str, seq_len: int) -> list:
 
 
 def model_counts(size: str, seq_len: int) -> dict:
-    """Parameters of the shape (from its Hugging Face config on the meta device) and FLOPs per token."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from models import registry
-    from trainer.observe.metrics import flops_per_token
-
-    cfg = C.compose(size_overrides(size, seq_len))
-    info = registry.describe(cfg.model, registry.load_tokenizer(cfg.model))
-    with torch.device("meta"):
-        total = sum(p.numel() for p in AutoModelForCausalLM.from_config(info.hf_config).parameters())
-    c = info.hf_config
-    without_embedding = total - c.vocab_size * c.hidden_size  # as trainer/run/loop.py counts
-    return {"params": total, "params_without_input_embedding": without_embedding, "layers": c.num_hidden_layers,
-            "hidden": c.hidden_size,
-            "flops_per_token": flops_per_token(without_embedding, c.num_hidden_layers, c.hidden_size, seq_len)}
+    """Parameters of the shape and FLOPs per token."""
+    return C.model_counts(size_overrides(size, seq_len), seq_len)
 
 
 def main(argv=None) -> int:
@@ -75,12 +61,11 @@ def main(argv=None) -> int:
     import torch
 
     from trainer.launch.choose import launcher_command, launcher_for
-    from trainer.observe.metrics import KNOWN_PEAKS
 
     gpus = torch.cuda.device_count()
     nproc = a.nproc or gpus or 1
     name = torch.cuda.get_device_name(0) if gpus else "no CUDA device"
-    peak = a.peak_tflops or next((p for key, p in KNOWN_PEAKS if key in name), None)
+    peak = a.peak_tflops or C.known_peak_tflops()
     counts = {s: model_counts(s, a.seq_len) for s in sizes}
     print(f"device: {name} x {nproc} | dense bf16 peak {peak or '?'} TFLOP/s per GPU | seq_len {a.seq_len}, "
           f"micro-batch {a.micro_batch}, {a.warmup} warm-up + {a.steps} measured steps")

@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import time
+from typing import Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
@@ -90,6 +91,38 @@ def compose(overrides) -> object:
 
     GlobalHydra.instance().clear()
     return to_object(compose_conf(overrides))
+
+
+def model_counts(overrides, seq_len: int) -> dict:
+    """Parameters of the model these overrides build (its Hugging Face config on the meta device) and its training
+    FLOPs per token, as the trainer's MFU counts them (6N + 12·L·d·T, N without the input embedding)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from models import registry
+    from trainer.observe.metrics import flops_per_token
+
+    cfg = compose(overrides)
+    info = registry.describe(cfg.model, registry.load_tokenizer(cfg.model))
+    with torch.device("meta"):
+        total = sum(p.numel() for p in AutoModelForCausalLM.from_config(info.hf_config).parameters())
+    c = info.hf_config
+    without_embedding = total - c.vocab_size * c.hidden_size  # as trainer/run/loop.py counts
+    return {"params": total, "params_without_input_embedding": without_embedding, "layers": c.num_hidden_layers,
+            "hidden": c.hidden_size,
+            "flops_per_token": flops_per_token(without_embedding, c.num_hidden_layers, c.hidden_size, seq_len)}
+
+
+def known_peak_tflops() -> Optional[float]:
+    """Dense bf16 peak of the local GPU from trainer/observe/metrics.py KNOWN_PEAKS (None without a known GPU)."""
+    import torch
+
+    from trainer.observe.metrics import KNOWN_PEAKS
+
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(0)
+    return next((p for key, p in KNOWN_PEAKS if key in name), None)
 
 
 def thread_env(threads: int) -> dict:

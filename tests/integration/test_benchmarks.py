@@ -50,9 +50,17 @@ def test_backends_against_their_bare_loops_and_hf_trainer(tmp_path):
     import torch
 
     out = tmp_path / "b.json"
-    proc = _run([BENCH / "bench_backends.py", "--quick", "--rows", "zero2,fsdp", "--against", "bare,hf", "--out", out],
-                timeout=1200)
-    rows = {r["row"]: r for r in json.loads(out.read_text())["rows"]}
+    proc = _run([BENCH / "bench_backends.py", "--quick", "--rows", "zero2,fsdp", "--against", "bare,hf", "--out", out,
+                 "--peak-tflops", "0.5"], timeout=1200)
+    result = json.loads(out.read_text())
+    rows = {r["row"]: r for r in result["rows"]}
+    # MFU of every side: all positions per second x FLOPs per token over the given peak of the row's 2 ranks
+    per_token = result["config"]["flops_per_token"]
+    # 6N + 12·L·d·T: N = 107,840 parameters less the 264 x 64 input embedding, 2 layers, hidden 64, 32 tokens
+    assert per_token == 6 * (107_840 - 264 * 64) + 12 * 2 * 64 * 32
+    for row in rows.values():
+        for side, mfu in row["mfu"].items():
+            assert mfu["median"] == pytest.approx(row["tokens_per_s"][side]["median"] * per_token / (0.5e12 * 2))
     assert list(rows) == ["zero2", "fsdp"] and rows["fsdp"]["nproc"] == 2
     for row in rows.values():
         assert all(_positive(row["tokens_per_s"][side]["median"]) for side in ("tessera", "bare"))
@@ -66,7 +74,11 @@ def test_backends_against_their_bare_loops_and_hf_trainer(tmp_path):
         assert row["ratio_hf"]["median"] == pytest.approx(h / t)
     if not torch.cuda.is_available():
         assert "ratio_hf" not in rows["fsdp"] and "FSDP" in rows["fsdp"]["not_run"]["hf"]
-    assert "| zero2 | 2 |" in proc.stdout and "Tessera / HF" in proc.stdout
+    assert "| zero2 | 2 |" in proc.stdout and "Tessera / HF" in proc.stdout and "MFU Tessera / bare / hf" in proc.stdout
+    plan = _run([BENCH / "bench_backends.py", "--gpu", "1b", "--dry-run", "--nproc", "2"], timeout=120)
+    cmds = [ln for ln in plan.stdout.splitlines() if "trainer/main.py" in ln]
+    assert len(cmds) == 5 and all("precision=bf16" in c and "model.hidden_size=2048" in c for c in cmds), cmds
+    assert "train.global_batch_size=16" in cmds[0] and "GFLOP per token" not in plan.stdout  # no GPU: no peak
     bad = _run([BENCH / "bench_backends.py", "--quick", "--rows", "zero9"], timeout=120, expect=2)
     assert "--rows takes a comma list" in bad.stderr
     bad = _run([BENCH / "bench_backends.py", "--quick", "--against", "trl"], timeout=120, expect=2)
@@ -173,3 +185,21 @@ def test_data_benchmark_memory_stays_flat_and_tokenizer_throughput_is_measured(t
     first = result["first_step"]
     assert _positive(first["seconds"]) and first["tokens"] == result["tokenize"][1]["tokens"]
     assert first["corpus_bytes"] == result["corpus_bytes"] and "| data=tokens |" in proc.stdout
+
+
+def test_long_context_script_prints_both_commands_and_runs_ulysses_on_cpu(tmp_path):
+    """bench_long_context.py: the dry run lists one command per cp_impl at 32k tokens over the context ranks; --quick
+    runs Ulysses on 2 CPU ranks end to end (losses, activations per rank from memory.json) and lists ring as
+    skipped (no CUDA kernels here)."""
+    proc = _run([BENCH / "bench_long_context.py", "--dry-run", "--nproc", "4"], timeout=120)
+    cmds = [ln for ln in proc.stdout.splitlines() if "trainer/main.py" in ln]
+    assert len(cmds) == 2 and all("strategy.cp=4" in c and "data.seq_len=32768" in c for c in cmds), cmds
+    assert ["strategy.cp_impl=ulysses" in cmds[0], "strategy.cp_impl=ring" in cmds[1]] == [True, True]
+    out = tmp_path / "cp.json"
+    proc = _run([BENCH / "bench_long_context.py", "--quick", "--out", out], timeout=300)
+    result = json.loads(out.read_text())["impls"]
+    assert result["ring"]["skipped"] == "ring attention needs CUDA kernels", result
+    ulysses = result["ulysses"]
+    assert len(ulysses["losses"]) == 3 and all(map(_positive, ulysses["losses"])), ulysses
+    assert ulysses["activations_per_rank"] > 0 and ulysses["tokens_per_s"] > 0, ulysses
+    assert "| ulysses |" in proc.stdout and "| ring | ring attention needs CUDA kernels |" in proc.stdout

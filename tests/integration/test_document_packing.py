@@ -1,5 +1,5 @@
 """data.packing=documents end to end: several documents per sequence with restarting position ids train the same
-losses under the layouts that run them (single process, fsdp, tp; real processes with gloo), SFT examples
+losses under the layouts that run them (single process, fsdp, tp, pp; real processes with gloo), SFT examples
 pack with their response masks."""
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def reference(documents, tmp_path_factory):
     return metrics(run)
 
 
-@pytest.mark.parametrize("strategy,extra", [("fsdp", []), ("tp", [])])
+@pytest.mark.parametrize("strategy,extra", [("fsdp", []), ("tp", []), ("pp", ["strategy.pp_schedule=1f1b"])])
 def test_packed_documents_train_the_same_losses_on_every_layout(documents, reference, tmp_path, strategy, extra):
     ok(launch("torchrun", _overrides(["data=text", f"data.path={documents}"]) + [f"strategy={strategy}", *extra],
               tmp_path, nproc=2))

@@ -16,6 +16,8 @@ from typing import List
 import torch
 from torch import nn
 
+from models.packing import PackedForward
+
 SCHEDULES = {
     # name: (torch class name, stages per rank: 1, "v" (2, V-shaped) or None (strategy.pp_stages_per_rank))
     "gpipe": ("ScheduleGPipe", 1),
@@ -59,26 +61,28 @@ class ZeroPositions(nn.Module):
 
 
 class StageModule(nn.Module):
-    """One pipeline stage: input ids (first stage) or hidden states in, hidden states or logits out; every stage
-    is given the same position ids where there are any (the schedule splits them into micro-batches as the
-    inputs)."""
+    """One pipeline stage: input ids (first stage) or hidden states in, hidden states or logits out. Every stage is
+    given the same position ids where there are any (the schedule splits them into micro-batches as the inputs):
+    `position_ids`, a context-parallel shard's (strategy.cp), or `packed_position_ids`, packed documents'
+    (data.packing=documents: each stage's model builds its own mask from them, and its first packed forward
+    checks that it kept the documents apart, as one process's does)."""
 
     def __init__(self, lm: nn.Module, first: bool, last: bool):
         super().__init__()
         self.lm = lm
         self.first, self.last = first, last
+        self.packed_forward = PackedForward()
 
-    def forward(self, x, position_ids=None):
-        # position_ids: a context-parallel shard's positions (strategy.cp), the same for every stage; else the
-        # model counts positions from 0
-        inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
-        if position_ids is not None:
-            inputs["position_ids"] = position_ids
-        if self.last:
-            return self.lm(**inputs, use_cache=False).logits
+    def forward(self, x, position_ids=None, packed_position_ids=None):
         # Earlier stages: the base model's hidden states (the causal LM would hand out a view of them, which
         # the zero-bubble schedules' backward can't detach in place).
-        return getattr(self.lm, self.lm.base_model_prefix)(**inputs, use_cache=False).last_hidden_state
+        model = self.lm if self.last else getattr(self.lm, self.lm.base_model_prefix)
+        inputs = {"input_ids": x} if self.first else {"input_ids": None, "inputs_embeds": x}
+        if packed_position_ids is not None:
+            out = self.packed_forward(model, inputs.pop("input_ids"), packed_position_ids, **inputs)
+        else:
+            out = model(**inputs, use_cache=False, **({} if position_ids is None else {"position_ids": position_ids}))
+        return out.logits if self.last else out.last_hidden_state
 
 
 def set_module(root: nn.Module, path: str, module) -> None:

@@ -58,6 +58,8 @@ from trainer.strategies.capabilities import Capabilities
 
 # Strategies that shard with FSDP even over one data-parallel rank.
 _ALWAYS_FSDP = ("fsdp", "hsdp")
+# What a pipeline step reads of a batch (position ids: packed documents')
+_STAGE_KEYS = ("input_ids", "labels", "position_ids")
 
 
 class TorchNativeStrategy(Strategy):
@@ -141,10 +143,12 @@ class TorchNativeStrategy(Strategy):
                             f"a ZeRO stage) instead")
         problems += cp_problems(cfg, info, dims, device_type(cfg.train.device))
         problems += cls._ep_problems(cfg, dims, model)
-        if dims.pp > 1 and cfg.data.packing == "documents":
-            problems.append(f"data.packing=documents is not available with pipeline parallelism (strategy.pp="
-                            f"{dims.pp}): the stages pass hidden states only, not the packed position ids; use "
-                            f"data.packing=eos")
+        if dims.pp > 1 and dims.cp_enabled and cfg.data.packing == "documents":
+            # The Ulysses mask is the batch's (its documents): a schedule runs several micro-batches' forwards
+            # (and recomputations) in between
+            problems.append(f"data.packing=documents with pipeline and context parallelism together (strategy.pp="
+                            f"{dims.pp}, strategy.cp={dims.cp}) is not supported: the context ranks' attention "
+                            f"mask follows one micro-batch at a time; use one of them, or data.packing=eos")
         if dims.pp > 1 and cfg.data.kind == "mixture":
             problems.append(f"data.kind=mixture is not available with pipeline parallelism (strategy.pp={dims.pp}): "
                             f"the last stage's loss does not see the rows' tasks; use strategy.pp=1")
@@ -480,7 +484,7 @@ class TorchNativeStrategy(Strategy):
             return super().forward_backward(micro_batches, num_target_tokens, grad_weight)
         self._n_target = num_target_tokens
         batch = {key: to_device(torch.cat([b[key] for b in micro_batches]), self.device)
-                 for key in ("input_ids", "labels")}
+                 for key in _STAGE_KEYS if key in micro_batches[0]}
         losses = [] if self.has_last_stage else None  # the schedule's own: each real micro-batch's loss_fn value
         with sharded_or_whole(self.cp, batch) as batch:  # strategy.cp: every stage runs this rank's shard
             args = (batch["input_ids"],) if self.has_first_stage else ()
@@ -522,7 +526,7 @@ class TorchNativeStrategy(Strategy):
             for stage in stage_indices(r, self.dims.pp, self.num_stages // self.dims.pp, v_shape):
                 owner[stage] = r
         for batch in micro_batches:
-            batch = {k: v.to(self.device) for k, v in batch.items() if k in ("input_ids", "labels")}
+            batch = {k: v.to(self.device) for k, v in batch.items() if k in _STAGE_KEYS}
             with sharded_or_whole(self.cp, batch) as batch:
                 total += self._stages_forward(batch, owner)
         return self._pp_sum(self.cp.total(total) if self.cp is not None else total)
@@ -643,8 +647,11 @@ class TorchNativeStrategy(Strategy):
 
 
 def _stage_kwargs(batch: dict) -> dict:
-    """What every pipeline stage is given beside its input: a context-parallel shard's position ids."""
-    return {"position_ids": batch["shard_position_ids"]} if "shard_position_ids" in batch else {}
+    """What every pipeline stage is given beside its input: a context-parallel shard's position ids, or packed
+    documents' (trainer/parallel/pipeline.StageModule)."""
+    if "shard_position_ids" in batch:
+        return {"position_ids": batch["shard_position_ids"]}
+    return {"packed_position_ids": batch["position_ids"]} if "position_ids" in batch else {}
 
 
 @torch.no_grad()

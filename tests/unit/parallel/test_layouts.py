@@ -201,3 +201,61 @@ def test_strategies_checkpoint_every_kth_block_in_their_setup():
     strategy.setup(model, lambda named: build_optimizer(cfg, named))
     flags = [bool(getattr(b, "gradient_checkpointing", False)) for _, b in decoder_blocks(strategy.unwrapped())]
     assert flags == [True, False, True, False], flags
+
+
+def _stages(model_type, **kw):
+    """A real (seeded) tiny model and its two pipeline stages (layers 0-1, 2-3) over deep copies of it."""
+    import copy
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from models import plans
+    from trainer.parallel.pipeline import StageModule, cut_stage
+
+    base = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=128, vocab_size=320, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **base, **kw),
+                                             attn_implementation="sdpa").eval()
+    split = plans.pipeline_split(model)
+    stages = []
+    for first, layers in ((True, range(0, 2)), (False, range(2, 4))):
+        part = copy.deepcopy(model)
+        cut_stage(part, split, first=first, last=not first, layers=layers)
+        stages.append(StageModule(part, first, not first))
+    return model, stages
+
+
+def _two_documents():
+    ids = torch.randint(3, 320, (2, 24), generator=torch.Generator().manual_seed(1))
+    positions = torch.cat([torch.arange(10), torch.arange(14)])[None].repeat(2, 1)
+    return ids, positions
+
+
+def test_pipeline_stages_keep_packed_documents_apart_as_the_whole_model_does():
+    """data.packing=documents under pp: every stage builds its mask from the packed position ids, so the stages
+    chained give the whole model's packed logits, and the second document's logits are its own alone."""
+    from models.packing import PackedForward
+
+    model, (first, last) = _stages("llama")
+    ids, positions = _two_documents()
+    with torch.no_grad():
+        staged = last(first(ids, packed_position_ids=positions), packed_position_ids=positions)
+        whole = PackedForward()(model, ids, positions).logits
+        alone = model(input_ids=ids[:, 10:], use_cache=False).logits
+        plain = last(first(ids))  # positions counted from 0: the second document sees the first
+    assert first.packed_forward.verified and last.packed_forward.verified
+    assert torch.allclose(staged, whole, atol=1e-5)
+    assert torch.allclose(staged[:, 10:], alone, atol=1e-5)
+    assert not torch.allclose(plain[:, 10:], alone, atol=1e-3)
+
+
+def test_a_pipeline_stage_whose_mask_ignores_packed_positions_is_stopped():
+    """OPT builds its mask without the position ids: the first stage's first packed forward says so (one process
+    would say the same)."""
+    from tessera.errors import ModelError
+
+    _, (first, _) = _stages("opt", ffn_dim=128, word_embed_proj_dim=64)
+    ids, positions = _two_documents()
+    with pytest.raises(ModelError, match="does not read restarting position ids as packed documents"):
+        first(ids, packed_position_ids=positions)
