@@ -39,8 +39,8 @@ def parse(argv):
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra Hydra override")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per run (default 600)")
     ap.add_argument("--out", help="write every figure as JSON here")
-    ap.add_argument("--quick", action="store_true", help="CPU check (on any machine): the debug model, 64 tokens, 2 CPU "
-                                                         "ranks, 3 steps")
+    ap.add_argument("--quick", action="store_true",
+                    help="CPU check (on any machine): the debug model, 64 tokens, 2 CPU ranks, 3 steps")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and the commands; run nothing")
     a = ap.parse_args(argv)
     a.impls = a.impls.split(",")

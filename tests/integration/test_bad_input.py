@@ -297,6 +297,23 @@ def _read_only_folder(path):
         subprocess.run(["umount", str(path)], capture_output=True)
 
 
+def test_an_error_inside_a_pipeline_stage_keeps_its_message_and_exit_code(tmp_path):
+    """OPT's mask ignores packed position ids: under pp the first stage's check raises inside torch's schedule, which
+    wraps whatever a stage raises in a RuntimeError; the run still ends with the check's one message and exit 2, as
+    on one process."""
+    from tests.archs import make_model_folder
+
+    opt = make_model_folder("opt", tmp_path / "opt", seed=0)
+    args = ["model=hf", f"model.name_or_path={opt}", "strategy=pp", "data.packing=documents", "data.seq_len=32",
+            "data.embedded_documents=60", "train.max_steps=2", "train.global_batch_size=8",
+            "train.micro_batch_size=2", "eval.every=0", "eval.at_end=false", "export.hf_at_end=false",
+            "logging.progress=false"]
+    with Timer() as t:
+        proc = launch("torchrun-quiet", args, tmp_path / "run", nproc=2, timeout=120)
+    check_case("packed-documents-a-pipeline-stage-cannot-keep-apart", proc, t.seconds, 2,
+               "the opt model does not read restarting position ids as packed documents")
+
+
 def test_read_only_run_dir(tmp_path):
     with _read_only_folder(tmp_path / "ro") as ro, Timer() as t:
         proc = launch("python", QUICK + ["strategy=single"], ro / "run", timeout=120)

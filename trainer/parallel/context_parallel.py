@@ -266,3 +266,8 @@ def _ring_attention(query, key, value, scaling) -> torch.Tensor:
 def sharded_or_whole(cp: Optional[ContextParallel], batch: dict):
     """`cp.sharded(batch)`, or the batch as it is without context parallelism."""
     return cp.sharded(batch) if cp is not None else nullcontext(batch)
+
+
+def total_over(cp: Optional[ContextParallel], value: torch.Tensor) -> torch.Tensor:
+    """`cp.total(value)`: a per-rank sum over the context group; the value as it is without context parallelism."""
+    return cp.total(value) if cp is not None else value

@@ -21,7 +21,7 @@ from models.lora import full_tensors
 from trainer.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner
 from trainer.checkpoint.saved import SavedCheckpoint, groups_by_name
 from trainer.parallel.blocks import apply_activation_checkpointing, apply_compile
-from trainer.parallel.context_parallel import sharded_or_whole
+from trainer.parallel.context_parallel import sharded_or_whole, total_over
 from trainer.parallel.grad_norm import clip_to_norm, grad_square_sum
 from trainer.run.loss import TaskLosses, micro_batch_losses, to_device, token_loss_sum
 from trainer.strategies.capabilities import Capabilities
@@ -148,7 +148,7 @@ class Strategy:
         """[task, (token-loss sum, target tokens)] of the last step over all data-parallel ranks (fp64), or None."""
         if self.tasks is None:
             return None
-        return self.dp_sum(self.tasks.sums if self.cp is None else self.cp.total(self.tasks.sums))
+        return self.dp_sum(total_over(self.cp, self.tasks.sums))
 
     # ---- one optimizer step ---------------------------------------------------------------------------
     def accumulation_context(self, is_last_micro_batch: bool):
@@ -178,7 +178,7 @@ class Strategy:
                     loss = loss + term * (self.router.coef * grad_weight / (len(micro_batches) * self.dp_size))
                 self.backward(loss)
             total += ce_sum.detach()
-        return self.cp.total(total) if self.cp is not None else total
+        return total_over(self.cp, total)
 
     def begin_step(self) -> torch.Tensor:
         """Reset the per-step sums (tasks, router terms); returns the step's zero CE total."""
@@ -219,7 +219,7 @@ class Strategy:
             with sharded_or_whole(self.cp, batch) as batch:
                 total += token_loss_sum(self.model, batch, self.precision, router=self.router,
                                         objective=self.objective)
-        return self.cp.total(total) if self.cp is not None else total
+        return total_over(self.cp, total)
 
     # ---- collectives over the data-parallel ranks ------------------------------------------------------
     def dp_sum(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -39,12 +39,13 @@ from models import plans
 from models.init import decoder_blocks, meta_model, named_tensors
 from models.lora import meta_adapted
 from models.weights import is_checkpoint
+from tessera.errors import TesseraError
 from trainer.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner
 from trainer.checkpoint.saved import SavedCheckpoint
 from trainer.config import schema as C
 from trainer.data.datasets import IGNORE
 from trainer.parallel import fsdp as F2
-from trainer.parallel.context_parallel import ContextParallel, cp_problems, sharded_or_whole
+from trainer.parallel.context_parallel import ContextParallel, cp_problems, sharded_or_whole, total_over
 from trainer.parallel.dims import device_type
 from trainer.parallel.expert_parallel import apply_ep, ep_problems, expert_modules
 from trainer.parallel.grad_norm import clip_to_norm, world_square_sum
@@ -490,14 +491,25 @@ class TorchNativeStrategy(Strategy):
             args = (batch["input_ids"],) if self.has_first_stage else ()
             target = batch["labels"] if self.has_last_stage else None
             with self.precision.autocast():
-                self.schedule.step(*args, target=target, losses=losses, **_stage_kwargs(batch))
+                self._schedule_step(*args, target=target, losses=losses, **_stage_kwargs(batch))
         if self.tied:
             self._sum_tied_grads()
         total = torch.zeros((), device=self.device)
         if losses:
             total = self.precision.unscale_value(torch.stack([loss.detach() for loss in losses]).sum())
             total = total * num_target_tokens
-        return self._pp_sum(self.cp.total(total) if self.cp is not None else total)
+        return self._pp_sum(total_over(self.cp, total))
+
+    def _schedule_step(self, *args, **kwargs) -> None:
+        """schedule.step; an error of Tessera's raised inside a stage (a packed batch's mask check, the context
+        ranks' attention) comes out as itself, with its one message and exit code: torch's pipelining wraps
+        whatever a stage's forward raises in a RuntimeError."""
+        try:
+            self.schedule.step(*args, **kwargs)
+        except RuntimeError as e:
+            if isinstance(e.__cause__, TesseraError):
+                raise e.__cause__ from None
+            raise
 
     def _pp_sum(self, t: torch.Tensor) -> torch.Tensor:
         """Only the last stage has the loss: share it with the other stages of this pipeline."""
@@ -529,7 +541,7 @@ class TorchNativeStrategy(Strategy):
             batch = {k: v.to(self.device) for k, v in batch.items() if k in _STAGE_KEYS}
             with sharded_or_whole(self.cp, batch) as batch:
                 total += self._stages_forward(batch, owner)
-        return self._pp_sum(self.cp.total(total) if self.cp is not None else total)
+        return self._pp_sum(total_over(self.cp, total))
 
     def _stages_forward(self, batch: dict, owner: dict) -> torch.Tensor:
         """One batch through this rank's stages (hidden states sent on to the next stage's rank); -> the CE sum on
