@@ -74,9 +74,6 @@ CASES = [
     ("torchft-lighthouse-unreachable", ["strategy=ddp", "strategy.fault_tolerance=torchft",
                                         "strategy.lighthouse=http://127.0.0.1:1"], "torchrun-quiet", 2, 2,
      "the torchft lighthouse at http://127.0.0.1:1 (strategy.lighthouse) cannot be reached"),
-    ("packing-with-pipeline-and-context-ranks", ["data.packing=documents", "strategy=pp", "strategy.pp=2",
-                                                 "strategy.cp=2"],
-     "torchrun-quiet", 4, 2, "data.packing=documents with pipeline and context parallelism together"),
     # LoRA against the layout
     ("cp-heads-not-divisible", ["strategy=fsdp", "strategy.cp=2", "model.num_kv_heads=1"], "torchrun-quiet", 2, 2,
      "the llama model has 1 key/value heads, not divisible by strategy.tp x strategy.cp = 2"),

@@ -47,7 +47,9 @@ CASES = {
     "fsdp2_x_cp2-packed": (4, True, ["strategy=fsdp", "strategy.cp=2"]),
     "tp2_x_cp2-packed": (4, True, ["strategy=fsdp_tp", "strategy.tp=2", "strategy.cp=2"]),
     "hsdp2_x_cp2": (4, False, ["strategy=hsdp", "strategy.dp_replicate=2", "strategy.dp_shard=1", "strategy.cp=2"]),
-    "pp2_x_cp2": (4, False, ["strategy=pp", "strategy.pp=2", "strategy.pp_schedule=1f1b", "strategy.cp=2"]),
+    # packed documents through the stages, with blocks recomputed after other micro-batches' forwards
+    "pp2_x_cp2-packed": (4, True, ["strategy=pp", "strategy.pp=2", "strategy.pp_schedule=1f1b",
+                                   "train.activation_checkpointing=full", "strategy.cp=2"]),
 }
 
 

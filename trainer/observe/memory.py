@@ -41,7 +41,7 @@ class FirstStepProbe:
         optimizer = strategy.optimizer  # DeepSpeed: the client optimizer that ZeRO steps on its fp32 partitions
         self.undo = [optimizer.register_step_post_hook(lambda *_: self.snap("optimizer_step")).remove]
         self.undo += strategy.watch_memory(self.snap)
-        self.activations = SavedActivations(strategy.model)
+        self.activations = SavedActivations()
         self.undo.append(self.activations.close)
 
     def snap(self, point: str) -> None:
@@ -73,48 +73,82 @@ class FirstStepProbe:
 
 
 class SavedActivations:
-    """What autograd keeps for backward in each forward of the model during the first step: bytes of the distinct
-    storages packed by a saved-tensor hook, the model's parameters left out; `peak` is the largest forward's (one
-    micro-batch's activations). A strategy whose model never runs forward itself (pipeline stages) reports 0."""
+    """What autograd keeps for backward during the first step: bytes of the distinct storages held by saved
+    tensors (a saved-tensor hook packs each into a holder that autograd frees with the node), parameters, their
+    views and casts left out; `peak` is the most held at once: one micro-batch's forward and loss where micro-batches
+    run one after another, every micro-batch a pipeline schedule keeps in flight on this rank's stages. Inside a
+    checkpointed block torch's checkpoint keeps its own (the block's input here; its recomputation, not seen)."""
 
-    def __init__(self, model):
-        self.peak, self.current, self.seen = 0, 0, set()
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+    def __init__(self):
+        self.peak = self.current = 0
+        self.holders = {}  # storage address -> [holders alive, bytes]
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _Held.unpack)
         self.hooks.__enter__()
-        self.handles = [model.register_forward_pre_hook(lambda *_: self._start()),
-                        model.register_forward_hook(lambda *_: self._end())] if model is not None else []
-
-    def _start(self) -> None:
-        self.current, self.seen = 0, set()
-
-    def _end(self) -> None:
-        self.peak = max(self.peak, self.current)
 
     def _pack(self, t):
         try:  # runs inside autograd: a tensor it cannot measure must never fail training
-            self._count(t)
+            key = self._hold(t)
         except Exception:  # noqa: BLE001 - a subclass without a storage of its own: not counted
-            pass
-        return t
+            key = None
+        return t if key is None else _Held(t, key, self)
 
-    def _count(self, t) -> None:
-        if (t.is_leaf and t.requires_grad) or t.device.type == "meta":
-            return
+    def _hold(self, t):
+        if t.device.type == "meta" or _parameter_data(t):
+            return None
         if isinstance(t, DTensor):  # a wrapper: its storage is the local part's
             with torch.no_grad():
                 t = t.to_local()
         storage = t.untyped_storage()
-        if storage.data_ptr() not in self.seen:
-            self.seen.add(storage.data_ptr())
-            self.current += storage.nbytes()
+        key = storage.data_ptr()
+        entry = self.holders.setdefault(key, [0, storage.nbytes()])
+        if not entry[0]:
+            self.current += entry[1]
+            self.peak = max(self.peak, self.current)
+        entry[0] += 1
+        return key
+
+    def release(self, key) -> None:
+        entry = self.holders.get(key)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if not entry[0]:
+            self.current -= entry[1]
+            del self.holders[key]
 
     def close(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
         if self.hooks is not None:
             self.hooks.__exit__(None, None, None)
             self.hooks = None
+
+
+def _parameter_data(t) -> bool:
+    """A parameter (frozen or not), a view of one (a linear layer's transposed weight) or autocast's cast of a
+    trained one (its bf16 copy of an fp32 weight): model state, not activations."""
+    base = t if t._base is None else t._base
+    if isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad):
+        return True
+    fn = base.grad_fn
+    if fn is None or type(fn).__name__ != "ToCopyBackward0":
+        return False
+    source = fn.next_functions[0][0]
+    return source is not None and type(source).__name__ == "AccumulateGrad"
+
+
+class _Held:
+    """A saved tensor while autograd keeps it: freed with its graph node, when its bytes stop counting."""
+
+    __slots__ = ("tensor", "key", "owner")
+
+    def __init__(self, tensor, key, owner):
+        self.tensor, self.key, self.owner = tensor, key, owner
+
+    @staticmethod
+    def unpack(packed):
+        return packed.tensor if isinstance(packed, _Held) else packed
+
+    def __del__(self):
+        self.owner.release(self.key)
 
 
 def largest_layer_params(model_shapes: dict) -> int:

@@ -5,10 +5,12 @@ from __future__ import annotations
 from models.init import decoder_blocks
 
 
-def apply_activation_checkpointing(model, train_cfg) -> None:
-    """Hugging Face's non-reentrant activation checkpointing of every k-th decoder block."""
+def apply_activation_checkpointing(model, train_cfg, context_fn=None) -> None:
+    """Hugging Face's non-reentrant activation checkpointing of every k-th decoder block; `context_fn` (torch's
+    checkpoint argument): state a block's recomputation must see as its forward did."""
     if train_cfg.activation_checkpointing == "full":
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
+        kwargs = {"use_reentrant": False, **({} if context_fn is None else {"context_fn": context_fn})}
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs,
                                               every_n_layers=train_cfg.activation_checkpointing_every)
 
 

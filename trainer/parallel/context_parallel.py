@@ -17,6 +17,11 @@ whole sequences only, on CUDA kernels.
 The model's attention goes through transformers' attention interface under a name of our own (registered here),
 so no mask is built by the model from the shard's positions; the first forward checks that the function was
 called (a model whose attention bypasses the interface cannot be split, and would attend within shards only).
+
+Pipeline stages (strategy.pp) run the rank's shard of the whole step's batch, several micro-batches' forwards (and
+recomputations) interleaved: with packed documents each stage sets its micro-batch's documents around its forward
+(`micro_batch`), and activation checkpointing recomputes a block with the documents its forward had
+(`recompute_contexts`).
 """
 from __future__ import annotations
 
@@ -168,8 +173,11 @@ class ContextParallel:
             with self._ring_context([ids, labels, positions]) as (ids, labels, positions):
                 yield dict(rest, input_ids=ids, labels=labels, shard_position_ids=positions)
         else:
-            self._set_order(length + pad, positions if "position_ids" in batch else None, positions)
+            packed = "position_ids" in batch
+            self._set_order(length + pad, positions if packed else None, positions)
             mine = self.order.view(self.size, -1)[self.rank]
+            if packed:  # whole rows, natural order: what a pipeline stage hands `micro_batch` for its rows
+                rest["document_position_ids"] = positions
             yield dict(rest, input_ids=ids[:, mine], labels=labels[:, mine], shard_position_ids=positions[:, mine])
         self._check_called()
 
@@ -179,6 +187,29 @@ class ContextParallel:
         self.documents = None if packed is None else document_ids(packed)
         self.positions = positions
         self.masks = {}
+
+    @contextmanager
+    def micro_batch(self, document_position_ids: torch.Tensor):
+        """While a pipeline stage runs one micro-batch of the sharded batch: its rows' packed documents (whole
+        rows, natural order), so the attention masks them and not the whole batch's."""
+        with self._state_restored((self.order, self.inverse, document_ids(document_position_ids),
+                                   document_position_ids, {})):
+            yield
+
+    def recompute_contexts(self):
+        """Activation checkpointing's `context_fn`, called at a block's forward: its recomputation in backward
+        runs with the documents that forward had (a schedule runs other micro-batches' forwards in between)."""
+        return nullcontext(), self._state_restored((self.order, self.inverse, self.documents, self.positions,
+                                                    self.masks))
+
+    @contextmanager
+    def _state_restored(self, state):
+        before = (self.order, self.inverse, self.documents, self.positions, self.masks)
+        self.order, self.inverse, self.documents, self.positions, self.masks = state
+        try:
+            yield
+        finally:
+            self.order, self.inverse, self.documents, self.positions, self.masks = before
 
     @contextmanager
     def _ring_context(self, buffers):

@@ -11,6 +11,7 @@ block keeps its global layer's setting.
 from __future__ import annotations
 
 import copy
+from contextlib import nullcontext
 from typing import List
 
 import torch
@@ -65,15 +66,18 @@ class StageModule(nn.Module):
     given the same position ids where there are any (the schedule splits them into micro-batches as the inputs):
     `position_ids`, a context-parallel shard's (strategy.cp), or `packed_position_ids`, packed documents'
     (data.packing=documents: each stage's model builds its own mask from them, and its first packed forward
-    checks that it kept the documents apart, as one process's does)."""
+    checks that it kept the documents apart, as one process's does). Packed documents over context ranks: the
+    shard's positions and `document_position_ids`, the micro-batch's whole rows, which the context group's
+    attention masks by (`cp.micro_batch`)."""
 
-    def __init__(self, lm: nn.Module, first: bool, last: bool):
+    def __init__(self, lm: nn.Module, first: bool, last: bool, cp=None):
         super().__init__()
         self.lm = lm
         self.first, self.last = first, last
         self.packed_forward = PackedForward()
+        self.cp = cp
 
-    def forward(self, x, position_ids=None, packed_position_ids=None):
+    def forward(self, x, position_ids=None, packed_position_ids=None, document_position_ids=None):
         # Earlier stages: the base model's hidden states (the causal LM would hand out a view of them, which
         # the zero-bubble schedules' backward can't detach in place).
         model = self.lm if self.last else getattr(self.lm, self.lm.base_model_prefix)
@@ -81,7 +85,11 @@ class StageModule(nn.Module):
         if packed_position_ids is not None:
             out = self.packed_forward(model, inputs.pop("input_ids"), packed_position_ids, **inputs)
         else:
-            out = model(**inputs, use_cache=False, **({} if position_ids is None else {"position_ids": position_ids}))
+            if position_ids is not None:
+                inputs["position_ids"] = position_ids
+            documents = nullcontext() if document_position_ids is None else self.cp.micro_batch(document_position_ids)
+            with documents:
+                out = model(**inputs, use_cache=False)
         return out.logits if self.last else out.last_hidden_state
 
 

@@ -141,33 +141,66 @@ def _stage_share(cfg, dims, counts: Counts, info) -> tuple:
     return best
 
 
-def activation_bytes(cfg, info, dims, layers_here: int) -> float:
-    """Estimate of what autograd keeps for one step on the heaviest rank (bytes)."""
+def activation_bytes(cfg, info, dims, num_layers: int) -> float:
+    """Estimate of what autograd keeps at once on the heaviest rank (bytes): the blocks of every micro-batch in
+    flight on the rank's pipeline stages, and the head and loss of the last stage's."""
     t = cfg.train
     rows = 2 if holds_pairs(cfg.data) else 1  # a preference pair is two rows (chosen, rejected)
     tokens = rows * t.micro_batch_size * cfg.data.seq_len / max(getattr(dims, "cp", 1), 1)  # a context rank's share
+    block = _block_bytes(cfg, info, dims, tokens)
+    a = element_bytes(cfg.precision.name)
+    # the final norm's input and fp32 output, the head's input; the loss's fp32 log-probabilities
+    head = tokens * info.hidden_size * (2 * a + 4) + tokens * info.vocab_size * 4
+    recomputed = block[0] if t.activation_checkpointing == "full" else 0  # one block again in backward
+    if dims.pp <= 1:
+        return _kept_bytes(num_layers, block, t) + recomputed + head
+    s = cfg.strategy
+    per_rank = stages_per_rank(s)
+    n_stages = dims.pp * per_rank
+    ranges = plans.stage_layers(num_layers, n_stages, s.pp_split_points)
+    v_shape = SCHEDULES.get(s.pp_schedule, (None, 1))[1] == "v"
+    micro = C.grad_accumulation_steps(cfg, dims.dp_size)
+    all_in_flight = s.pp_schedule in ("gpipe", "looped_bfs")  # every micro-batch's forward before any backward
+    worst = 0.0
+    for r in range(dims.pp):
+        stages = stage_indices(r, dims.pp, per_rank, v_shape)
+        per_stage = sum(_kept_bytes(len(ranges[i]), block, t) for i in stages) / len(stages)
+        held = per_stage * _in_flight(s.pp_schedule, micro, dims.pp, r, len(stages))
+        if n_stages - 1 in stages:
+            held += head * (micro if all_in_flight else 1)
+        worst = max(worst, held + recomputed)
+    return worst
+
+
+def _block_bytes(cfg, info, dims, tokens: float) -> tuple:
+    """(a decoder block's saved bytes for `tokens` tokens, the same block checkpointed: its input only)."""
     h, hkv = info.hidden_size, info.hidden_size * info.num_kv_heads // max(info.num_heads, 1)
     inter = getattr(info.hf_config, "intermediate_size", None) or getattr(info.hf_config, "n_inner", None) or 4 * h
     a = element_bytes(cfg.precision.name)
     # per token and block: norm inputs/outputs, q, k, v, attention output, o_proj input, MLP gate/up/act/product
     split_values = (h + 2 * hkv + h + 4 * inter) / max(dims.tp, 1)
     whole_values = 4 * h / (dims.tp if cfg.strategy.sequence_parallel else 1)
-    per_block = tokens * (split_values + whole_values) * a + tokens * 2 * h * 4  # + fp32 norm upcasts
-    kept = layers_here
-    if t.activation_checkpointing == "full":
-        k = t.activation_checkpointing_every
-        checkpointed = layers_here // k
-        kept_full = layers_here - checkpointed
-        per_block_ckpt = tokens * h * a  # only the block's input
-        blocks = kept_full * per_block + checkpointed * per_block_ckpt + per_block  # + one block recomputed
-    else:
-        blocks = kept * per_block
-    in_flight = 1
-    if dims.pp > 1:
-        micro = C.grad_accumulation_steps(cfg, dims.dp_size)
-        in_flight = micro if cfg.strategy.pp_schedule in ("gpipe", "looped_bfs") else min(micro, dims.pp)
-    logits = tokens * info.vocab_size * (4 + 4 + a)  # fp32 logits for the loss, their gradient, the head output
-    return blocks * in_flight + logits
+    full = tokens * (split_values + whole_values) * a + tokens * 2 * h * 4  # + fp32 norm upcasts
+    return full, tokens * h * a
+
+
+def _kept_bytes(layers: int, block: tuple, train_cfg) -> float:
+    """What `layers` blocks keep for one micro-batch, every k-th checkpointed with train.activation_checkpointing."""
+    if train_cfg.activation_checkpointing != "full":
+        return layers * block[0]
+    checkpointed = layers // train_cfg.activation_checkpointing_every
+    return (layers - checkpointed) * block[0] + checkpointed * block[1]
+
+
+def _in_flight(schedule: str, micro: int, pp: int, rank: int, local_stages: int) -> float:
+    """Micro-batch forwards a pipeline rank holds at once, counted in stages' worth (torch's schedules): GPipe and
+    looped BFS all of them; 1F1B pp - rank (the first stage most); the interleaved and V-shaped schedules their
+    warm-up, (local stages - 1) x pp + 2 x (pp - 1 - rank), plus one."""
+    if schedule in ("gpipe", "looped_bfs"):
+        return micro * local_stages
+    if local_stages == 1:
+        return min(micro, pp - rank)
+    return min(micro * local_stages, (local_stages - 1) * pp + 2 * (pp - 1 - rank) + 1)
 
 
 def estimate(cfg, world_size: int, info, counts: Optional[Counts] = None) -> Estimate:
@@ -190,8 +223,7 @@ def estimate(cfg, world_size: int, info, counts: Optional[Counts] = None) -> Est
         counts = count_parameters(model, dims.tp)
     here, split = _stage_share(cfg, dims, counts, info)
     rank_params = (here - split) + split / max(dims.tp, 1)  # model-parallel part of this rank
-    layers_here = max(1, round(len(counts.blocks) * here / max(counts.total, 1)))
-    est.activations = activation_bytes(cfg, info, dims, layers_here)
+    est.activations = activation_bytes(cfg, info, dims, len(counts.blocks))
     nproc = max(1, world_size)
     cls = strategy_class(s.name)
     if cls is None:  # an unknown strategy: the config problems say so

@@ -122,8 +122,13 @@ class Strategy:
     def prepare_blocks(self, model) -> None:
         """Activation checkpointing, then compile, on the decoder blocks: each strategy's setup calls it once the
         blocks are what they will compute with (after tensor parallelism, before FSDP or another wrapper)."""
-        apply_activation_checkpointing(model, self.cfg.train)
+        apply_activation_checkpointing(model, self.cfg.train, self.recompute_contexts())
         apply_compile(model, self.cfg.train)
+
+    def recompute_contexts(self):
+        """Activation checkpointing's `context_fn` where a block's recomputation needs its forward's state, else
+        None (torch's own)."""
+        return None
 
     def load_initial_weights(self, model, initial_weights) -> None:
         """Write full tensors into a model that each rank holds whole; sharding strategies override this to

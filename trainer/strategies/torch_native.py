@@ -144,12 +144,6 @@ class TorchNativeStrategy(Strategy):
                             f"a ZeRO stage) instead")
         problems += cp_problems(cfg, info, dims, device_type(cfg.train.device))
         problems += cls._ep_problems(cfg, dims, model)
-        if dims.pp > 1 and dims.cp_enabled and cfg.data.packing == "documents":
-            # The Ulysses mask is the batch's (its documents): a schedule runs several micro-batches' forwards
-            # (and recomputations) in between
-            problems.append(f"data.packing=documents with pipeline and context parallelism together (strategy.pp="
-                            f"{dims.pp}, strategy.cp={dims.cp}) is not supported: the context ranks' attention "
-                            f"mask follows one micro-batch at a time; use one of them, or data.packing=eos")
         if dims.pp > 1 and cfg.data.kind == "mixture":
             problems.append(f"data.kind=mixture is not available with pipeline parallelism (strategy.pp={dims.pp}): "
                             f"the last stage's loss does not see the rows' tasks; use strategy.pp=1")
@@ -313,7 +307,7 @@ class TorchNativeStrategy(Strategy):
             self.parts.append((stage, part))
         # With pipeline stages, the stage module is the root that FSDP wraps (and the pipeline runs): its
         # forward may skip the causal LM's own.
-        self.stage_modules = {stage: StageModule(part, stage == 0, stage == self.num_stages - 1)
+        self.stage_modules = {stage: StageModule(part, stage == 0, stage == self.num_stages - 1, self.cp)
                               for stage, part in self.parts} if d.pp_enabled else {}
 
     def _parallelize(self, part, root) -> None:
@@ -500,6 +494,13 @@ class TorchNativeStrategy(Strategy):
             total = total * num_target_tokens
         return self._pp_sum(total_over(self.cp, total))
 
+    def recompute_contexts(self):
+        """Packed documents over context ranks in pipeline stages: a block recomputes with its own micro-batch's
+        documents, not those of the forward the schedule ran last (ContextParallel.micro_batch)."""
+        if self.cp is not None and self.dims.pp_enabled and self.cfg.data.packing == "documents":
+            return self.cp.recompute_contexts
+        return None
+
     def _schedule_step(self, *args, **kwargs) -> None:
         """schedule.step; an error of Tessera's raised inside a stage (a packed batch's mask check, the context
         ranks' attention) comes out as itself, with its one message and exit code: torch's pipelining wraps
@@ -662,7 +663,8 @@ def _stage_kwargs(batch: dict) -> dict:
     """What every pipeline stage is given beside its input: a context-parallel shard's position ids, or packed
     documents' (trainer/parallel/pipeline.StageModule)."""
     if "shard_position_ids" in batch:
-        return {"position_ids": batch["shard_position_ids"]}
+        return {"position_ids": batch["shard_position_ids"],
+                **{k: batch[k] for k in ("document_position_ids",) if k in batch}}
     return {"packed_position_ids": batch["position_ids"]} if "position_ids" in batch else {}
 
 

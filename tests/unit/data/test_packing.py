@@ -176,14 +176,13 @@ def test_models_without_position_ids_are_refused_before_training():
 
 
 def test_packed_documents_with_pipeline_stages_and_the_refusals():
-    """pp alone takes packed documents (each stage is handed their position ids); pp with context ranks does not."""
+    """pp takes packed documents (each stage is handed their position ids), with context ranks too."""
     from tests.conftest import compose_config
     from tessera.errors import ConfigError
     from trainer.run.build import check
 
     check(compose_config(["strategy=pp", "data.packing=documents"]), 2)
-    with pytest.raises(ConfigError, match="data.packing=documents with pipeline and context parallelism together"):
-        check(compose_config(["strategy=pp", "strategy.pp=2", "strategy.cp=2", "data.packing=documents"]), 4)
+    check(compose_config(["strategy=pp", "strategy.pp=2", "strategy.cp=2", "data.packing=documents"]), 4)
     with pytest.raises(ConfigError, match="data.packing='tokens' is not one of eos, documents"):
         check(compose_config(["data.packing=tokens"]), 1)
     check(compose_config(["data.packing=documents"]), 1)  # the default model takes them

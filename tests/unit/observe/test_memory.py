@@ -157,3 +157,31 @@ def test_fsdp_counts_local_shards_and_gathered_parameters(build_run):
     assert rank["grads"] == 4 * psi and rank["peak_point"]["grads"] == "optimizer_step"  # fp32 gradient shards
     assert rank["optimizer"] == 8 * psi + 4 * len(params)
     assert rank["model_states"] == rank["params"] + rank["grads"] + rank["optimizer"] + rank["master_params"]
+
+
+def test_activations_are_what_autograd_holds_at_once_without_parameters_or_their_casts():
+    """Linear -> GELU -> Linear on 8 rows: autograd keeps the input (8 x 32 fp32), GELU's input and the second
+    layer's input (8 x 64 each), never the weights (nor their transposes, nor autocast's bf16 copies). Two
+    forwards before their backwards (a pipeline's micro-batches in flight) hold twice that; backward frees it."""
+    from trainer.observe.memory import SavedActivations
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+    rows = [torch.randn(8, 32) for _ in range(2)]
+    one = 8 * 32 * 4 + 2 * 8 * 64 * 4
+    probe = SavedActivations()
+    try:
+        model(rows[0]).sum().backward()
+        assert (probe.peak, probe.current) == (one, 0)
+        losses = [model(x).sum() for x in rows]
+        assert probe.current == probe.peak == 2 * one
+        for loss in losses:
+            loss.backward()
+        assert probe.current == 0
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(rows[0]).float().sum()
+        held = probe.current  # bf16 casts of the input and activations, none of the weights
+        loss.backward()
+    finally:
+        probe.close()
+    assert held == one // 2, held  # the same three, in bf16

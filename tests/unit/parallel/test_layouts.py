@@ -259,3 +259,41 @@ def test_a_pipeline_stage_whose_mask_ignores_packed_positions_is_stopped():
     ids, positions = _two_documents()
     with pytest.raises(ModelError, match="does not read restarting position ids as packed documents"):
         first(ids, packed_position_ids=positions)
+
+
+def test_pipeline_stages_over_context_ranks_mask_and_recompute_each_micro_batch_by_its_own_documents(one_rank_group):
+    """Packed documents with pp x cp: the schedule runs micro-batch 1's forward before micro-batch 0's backward,
+    whose checkpointed blocks recompute then. Each stage masks by its micro-batch's documents (handed in whole
+    rows), and a recomputation by the documents its forward had: logits and gradients are the whole model's."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from models.packing import PackedForward
+    from trainer.parallel.context_parallel import ContextParallel
+
+    model, stages = _stages("llama")
+    cp = ContextParallel(init_device_mesh("cpu", (1,)), "ulysses")
+    for stage in stages:
+        cp.apply(stage.lm)
+        stage.cp = cp
+        stage.lm.activation_checkpointing_enable({"use_reentrant": False, "context_fn": cp.recompute_contexts})
+        stage.lm.train()
+    ids = torch.randint(3, 320, (4, 24), generator=torch.Generator().manual_seed(1))
+    positions = torch.cat([torch.cat([torch.arange(10), torch.arange(14)])[None].repeat(2, 1),
+                           torch.cat([torch.arange(16), torch.arange(8)])[None].repeat(2, 1)])
+    ce = lambda logits, rows: F.cross_entropy(logits.flatten(0, 1), ids[rows].flatten())  # noqa: E731
+    reference = PackedForward()(model, ids, positions).logits
+    sum(ce(reference[r], r) for r in (slice(0, 2), slice(2, 4))).backward()
+    with cp.sharded({"input_ids": ids, "labels": ids, "position_ids": positions}) as batch:
+        losses, logits = [], []
+        for rows in (slice(0, 2), slice(2, 4)):
+            kwargs = {"position_ids": batch["shard_position_ids"][rows],
+                      "document_position_ids": batch["document_position_ids"][rows]}
+            logits.append(stages[1](stages[0](batch["input_ids"][rows], **kwargs), **kwargs))
+            losses.append(ce(logits[-1], rows))
+        for loss in losses:  # micro-batch 0's blocks recompute after micro-batch 1's forward
+            loss.backward()
+    assert torch.allclose(torch.cat(logits), reference, atol=1e-5)
+    for stage, layer in ((stages[0], 0), (stages[1], 3)):
+        name = f"model.layers.{layer}.self_attn.q_proj.weight"
+        assert torch.allclose(stage.lm.get_parameter(name).grad, model.get_parameter(name).grad, atol=1e-6)
