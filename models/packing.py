@@ -9,6 +9,7 @@ silently attend across documents, so that is an error.
 from __future__ import annotations
 
 import inspect
+import weakref
 
 import torch
 
@@ -23,14 +24,19 @@ def takes_position_ids(hf_config) -> bool:
 
 
 class PackedForward:
-    """model(input_ids, position_ids) that verifies, on its first packed batch, that the model kept the documents
-    apart."""
+    """model(input_ids, position_ids) that verifies, on each model's first packed batch, that the model kept the
+    documents apart (per model: a process may train several, one after another: a Hydra multirun, a test worker)."""
 
     def __init__(self):
-        self.verified = False
+        self._verified = weakref.WeakSet()
+
+    @property
+    def verified(self) -> bool:
+        """Whether a model has been verified on a packed batch."""
+        return len(self._verified) > 0
 
     def __call__(self, model, input_ids: torch.Tensor, position_ids: torch.Tensor, **kwargs):
-        if self.verified:
+        if model in self._verified:
             return model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs)
         from transformers import masking_utils
 
@@ -53,5 +59,6 @@ class PackedForward:
             raise ModelError(f"data.packing=documents: the {name} model does not read restarting position ids as "
                              f"packed documents (its attention mask ignores them), so documents would attend to "
                              f"each other; use data.packing=eos")
-        self.verified = packed
+        if packed:
+            self._verified.add(model)
         return out

@@ -156,14 +156,19 @@ def test_a_packed_row_trains_what_its_documents_train_alone(model_type, attn):
 
 def test_a_model_whose_mask_ignores_the_position_ids_is_stopped_at_its_first_packed_batch():
     """OPT takes position_ids for its position embeddings but builds its mask without them: its documents would
-    attend to each other. The first packed forward says so."""
+    attend to each other. Its first packed forward says so, also after another model of the same process (a Hydra
+    multirun's earlier job) passed the check."""
     from models.packing import PackedForward
     from tessera.errors import ModelError
 
     model = _tiny("opt", "sdpa", ffn_dim=128, word_embed_proj_dim=64)
     _, ids, _, positions = _packed_row()
+    forward = PackedForward()
+    llama = _tiny("llama", "sdpa", **ARCHS["llama"])
+    forward(llama, ids, positions)
+    assert forward.verified
     with pytest.raises(ModelError, match="does not read restarting position ids as packed documents"):
-        PackedForward()(model, ids, positions)
+        forward(model, ids, positions)
 
 
 def test_models_without_position_ids_are_refused_before_training():
