@@ -141,14 +141,17 @@ def _stage_share(cfg, dims, counts: Counts, info) -> tuple:
     return best
 
 
+ALL_IN_FLIGHT = ("gpipe", "looped_bfs")  # pipeline schedules that run every micro-batch's forward before a backward
+
+
 def activation_bytes(cfg, info, dims, num_layers: int) -> float:
     """Estimate of what autograd keeps at once on the heaviest rank (bytes): the blocks of every micro-batch in
     flight on the rank's pipeline stages, and the head and loss of the last stage's."""
     t = cfg.train
     rows = 2 if holds_pairs(cfg.data) else 1  # a preference pair is two rows (chosen, rejected)
     tokens = rows * t.micro_batch_size * cfg.data.seq_len / max(getattr(dims, "cp", 1), 1)  # a context rank's share
-    block = _block_bytes(cfg, info, dims, tokens)
     a = element_bytes(cfg.precision.name)
+    block = _block_bytes(cfg, info, dims, tokens, a)
     # the final norm's input and fp32 output, the head's input; the loss's fp32 log-probabilities
     head = tokens * info.hidden_size * (2 * a + 4) + tokens * info.vocab_size * 4
     recomputed = block[0] if t.activation_checkpointing == "full" else 0  # one block again in backward
@@ -160,23 +163,22 @@ def activation_bytes(cfg, info, dims, num_layers: int) -> float:
     ranges = plans.stage_layers(num_layers, n_stages, s.pp_split_points)
     v_shape = SCHEDULES.get(s.pp_schedule, (None, 1))[1] == "v"
     micro = C.grad_accumulation_steps(cfg, dims.dp_size)
-    all_in_flight = s.pp_schedule in ("gpipe", "looped_bfs")  # every micro-batch's forward before any backward
     worst = 0.0
     for r in range(dims.pp):
         stages = stage_indices(r, dims.pp, per_rank, v_shape)
         per_stage = sum(_kept_bytes(len(ranges[i]), block, t) for i in stages) / len(stages)
         held = per_stage * _in_flight(s.pp_schedule, micro, dims.pp, r, len(stages))
         if n_stages - 1 in stages:
-            held += head * (micro if all_in_flight else 1)
+            held += head * (micro if s.pp_schedule in ALL_IN_FLIGHT else 1)
         worst = max(worst, held + recomputed)
     return worst
 
 
-def _block_bytes(cfg, info, dims, tokens: float) -> tuple:
-    """(a decoder block's saved bytes for `tokens` tokens, the same block checkpointed: its input only)."""
+def _block_bytes(cfg, info, dims, tokens: float, a: int) -> tuple:
+    """(a decoder block's saved bytes for `tokens` tokens of `a` bytes each, the same block checkpointed: its input
+    only)."""
     h, hkv = info.hidden_size, info.hidden_size * info.num_kv_heads // max(info.num_heads, 1)
     inter = getattr(info.hf_config, "intermediate_size", None) or getattr(info.hf_config, "n_inner", None) or 4 * h
-    a = element_bytes(cfg.precision.name)
     # per token and block: norm inputs/outputs, q, k, v, attention output, o_proj input, MLP gate/up/act/product
     split_values = (h + 2 * hkv + h + 4 * inter) / max(dims.tp, 1)
     whole_values = 4 * h / (dims.tp if cfg.strategy.sequence_parallel else 1)
@@ -196,7 +198,7 @@ def _in_flight(schedule: str, micro: int, pp: int, rank: int, local_stages: int)
     """Micro-batch forwards a pipeline rank holds at once, counted in stages' worth (torch's schedules): GPipe and
     looped BFS all of them; 1F1B pp - rank (the first stage most); the interleaved and V-shaped schedules their
     warm-up, (local stages - 1) x pp + 2 x (pp - 1 - rank), plus one."""
-    if schedule in ("gpipe", "looped_bfs"):
+    if schedule in ALL_IN_FLIGHT:
         return micro * local_stages
     if local_stages == 1:
         return min(micro, pp - rank)
