@@ -166,6 +166,14 @@ time.sleep(120)
 """
 
 
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
 @pytest.mark.parametrize("orphaned", [True, False])
 def test_only_an_orphaned_silent_peer_on_this_host_is_killed(orphaned):
     import socket
@@ -175,14 +183,19 @@ def test_only_an_orphaned_silent_peer_on_this_host_is_killed(orphaned):
     child, launcher = map(int, parent.stdout.readline().split())
     try:
         os.kill(child, 19)  # SIGSTOP: a Python handler could not end it
+        # Popen returns before the child's exec has set up its environment (/proc/<pid>/environ reads empty until
+        # then); the stop takes effect only once exec is done, so wait for it (under load this took seconds)
+        deadline = time.monotonic() + 30
+        while _state(child) != "T" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _state(child) == "T", _state(child)
         parent.wait(timeout=30) if orphaned else time.sleep(0.2)
         beat = {"rank": 1, "pid": child, "host": socket.gethostname(), "launcher": launcher}
         assert not watchdog.reap_orphan(dict(beat, host="another-host"), socket.gethostname())
         assert not watchdog.reap_orphan(dict(beat, rank=3), socket.gethostname())  # another process
         assert watchdog.reap_orphan(beat, socket.gethostname()) == orphaned
         time.sleep(0.5)
-        state = open(f"/proc/{child}/stat").read().rsplit(")", 1)[1].split()[0] if os.path.exists(
-            f"/proc/{child}") else "gone"
+        state = _state(child)
         assert (state in ("gone", "Z")) == orphaned, state
     finally:
         for pid in (child, parent.pid):
