@@ -275,7 +275,29 @@ def build(m, info: ModelInfo, seed: int | None = None, device: torch.device | st
             torch.random.set_rng_state(cpu_rng)
         if seed is not None and not spec.pretrained:
             copy_full_tensors(model, initial_weights(info.hf_config, seed))
+        if spec.pretrained:
+            adopt_generation_config(model, m)
     return model if device is None else model.to(device)
+
+
+def adopt_generation_config(model, m) -> None:
+    """Give a pretrained model built from its config alone (its weights read by the strategy) the generation config
+    from_pretrained would have read: the source's generation_config.json (sampling defaults, stop tokens), or where
+    it has none (or an unreadable one), the one transformers then makes from config.json; so every layout exports
+    the same file."""
+    from transformers import GenerationConfig
+
+    if not model.can_generate():
+        return
+    for source in ({}, {"config_file_name": "config.json", "_from_model_config": True}):  # transformers' order
+        try:
+            model.generation_config = GenerationConfig.from_pretrained(m.name_or_path, revision=m.revision,
+                                                                       **source)
+            return
+        except OSError:  # no such file, or not JSON: transformers' own fallback
+            continue
+        except Exception as e:  # noqa: BLE001 - values transformers refuses: one message, as from_pretrained's
+            raise ModelError("model.name_or_path: " + load_message("generation config", m.name_or_path, e)) from None
 
 
 def keep_training_layout(model) -> None:

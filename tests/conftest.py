@@ -173,7 +173,7 @@ def make_generated_data(root: Path) -> DataSource:
     import json
 
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     from models.tokenizer import embedded_tokenizer
 
@@ -189,6 +189,11 @@ def make_generated_data(root: Path) -> DataSource:
     finally:
         torch.random.set_rng_state(state)
     model.save_pretrained(model_dir)
+    # a generation config of the model's own, as hub models ship (sampling defaults, a second stop token): every
+    # layout's export and the export command must carry it (tests/integration/conftest.py check_generation_config)
+    GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=[tok.eos_token_id, tok.pad_token_id],
+                     pad_token_id=tok.pad_token_id, do_sample=True, temperature=0.6, top_p=0.9,
+                     max_new_tokens=48).save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
     num_params = sum(p.numel() for p in model.parameters())
 

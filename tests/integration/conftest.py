@@ -169,17 +169,38 @@ def val_loss(model, run_dir, overrides) -> float:
 EXPORT_IDS = [[3, 14, 15, 92, 65, 256, 35, 89]]
 
 
+def export_command(checkpoint, out_dir) -> Path:
+    """`python -m trainer.export CHECKPOINT OUT_DIR`, checked to exit 0; returns OUT_DIR."""
+    proc = subprocess.run([sys.executable, "-m", "trainer.export", str(checkpoint), str(out_dir)], check=False,
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    ok(proc)
+    return Path(out_dir)
+
+
+def generation_config(folder) -> dict:
+    from transformers import GenerationConfig
+
+    return GenerationConfig.from_pretrained(folder).to_diff_dict()
+
+
+def check_generation_config(folders, source) -> None:
+    """Each export folder's generation_config.json is the pretrained source's (its sampling defaults and stop
+    tokens: tests.conftest's generated model ships its own), whichever layout or command wrote it."""
+    want = generation_config(source)
+    assert want.get("do_sample") is True, want  # the source's own, not one derived from config.json
+    for folder in folders:
+        assert generation_config(folder) == want, (folder, generation_config(folder), want)
+
+
 def check_export(run_dir, tmp_path, overrides, name: str, final_step: int = 10):
     """hf/ (written at the end of the run) and `python -m trainer.export` of the final checkpoint give the same
-    logits, and the exported model's validation loss is the one the trainer measured after the last step.
-    Returns the model loaded from hf/."""
+    logits and generation config, and the exported model's validation loss is the one the trainer measured after
+    the last step. Returns the model loaded from hf/."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    proc = subprocess.run([sys.executable, "-m", "trainer.export", str(run_dir / "checkpoints" / f"step_{final_step}"),
-                           str(tmp_path / "exported")], check=False, cwd=REPO, capture_output=True, text=True,
-                          timeout=180)
-    ok(proc)
+    export_command(run_dir / "checkpoints" / f"step_{final_step}", tmp_path / "exported")
+    assert generation_config(run_dir / "hf") == generation_config(tmp_path / "exported")
     at_end = AutoModelForCausalLM.from_pretrained(run_dir / "hf").eval()
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported").eval()
     ids = torch.tensor(EXPORT_IDS)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from tests.integration.conftest import (
-    FP32_TOL, REPO, SMALL, check_pretrained_loaded, curve_errors, launch, metrics, ok, pretrained_overrides, rel_err)
+    FP32_TOL, REPO, SMALL, check_generation_config, check_pretrained_loaded, curve_errors, export_command, launch,
+    metrics, ok, pretrained_overrides, rel_err)
 
 TEN = SMALL + ["train.max_steps=10", "train.log_every=1", "train.global_batch_size=8", "eval.every=0",
                "eval.at_end=false", "export.hf_at_end=false", "checkpoint.at_end=false"]
@@ -152,14 +153,17 @@ def test_zero_resume_on_another_data_parallel_size(zero_runs, tmp_path, strategy
 
 def test_zero3_loads_pretrained_weights_partitioned(generated_data, pretrained_reference, tmp_path):
     """model=hf under ZeRO-3 is built and loaded partitioned: the pretrained weights (not a fresh initialization)
-    are trained, the same numbers as one process, and each rank's parameters hold about half the model.
+    are trained, the same numbers as one process, and each rank's parameters hold about half the model; its exports
+    (hf/ at the end, the export command of its DeepSpeed checkpoint) carry the folder's generation config.
     The model is a tiny Llama written by the test session."""
     import json
 
     common = pretrained_overrides(generated_data)
-    proc = launch("torchrun", common + ["strategy=zero3", "strategy.stage3_param_persistence_threshold=0"],
-                  tmp_path / "zero3", nproc=2)
+    proc = launch("torchrun", common + ["strategy=zero3", "strategy.stage3_param_persistence_threshold=0",
+                                        "export.hf_at_end=true", "checkpoint.at_end=true"], tmp_path / "zero3", nproc=2)
     ok(proc)
+    check_generation_config([tmp_path / "zero3" / "hf", export_command(tmp_path / "zero3" / "checkpoints" / "step_5",
+                                                                       tmp_path / "exported")], generated_data.model)
     loss_err, norm_err = curve_errors(metrics(tmp_path / "zero3"), metrics(pretrained_reference), same_steps=True)
     print(f"zero3 pretrained ({generated_data.name}) ws2: max relative loss error {loss_err:.2e}, grad-norm error "
           f"{norm_err:.2e}")

@@ -9,7 +9,8 @@ import json
 import pytest
 
 from tests.integration.conftest import (
-    FP32_TOL, SMALL, check_export, check_parity, check_pretrained_loaded, curve_errors, launch, metrics, ok, pretrained_overrides)
+    FP32_TOL, SMALL, check_export, check_generation_config, check_parity, check_pretrained_loaded, curve_errors,
+    export_command, launch, metrics, ok, pretrained_overrides)
 
 # Global batch 8, 10 steps, fp32; nothing written that the test does not read.
 TEN = SMALL + ["train.max_steps=10", "train.log_every=1", "train.global_batch_size=8", "eval.every=0",
@@ -159,9 +160,13 @@ def test_export_logits_equal_trained_model(fsdp_run, tmp_path):
 def test_fsdp_loads_pretrained_weights_shard_by_shard(generated_data, pretrained_reference, tmp_path):
     """model=hf under fsdp: built on the meta device, each rank reads only its rows; the pretrained weights (not a
     fresh initialization) are trained, the same numbers as one process, and each rank holds about half of the
-    parameters. The model is a tiny Llama written by the test session."""
+    parameters; its exports (hf/ at the end, the export command of its checkpoint) carry the folder's generation
+    config. The model is a tiny Llama written by the test session."""
     common = pretrained_overrides(generated_data)
-    ok(launch("torchrun", common + ["strategy=fsdp"], tmp_path / "fsdp", nproc=2))
+    ok(launch("torchrun", common + ["strategy=fsdp", "export.hf_at_end=true", "checkpoint.at_end=true"],
+              tmp_path / "fsdp", nproc=2))
+    check_generation_config([tmp_path / "fsdp" / "hf", export_command(tmp_path / "fsdp" / "checkpoints" / "step_5",
+                                                                      tmp_path / "exported")], generated_data.model)
     ref, recs = metrics(pretrained_reference), metrics(tmp_path / "fsdp")
     assert [r["step"] for r in recs] == [r["step"] for r in ref] == [1, 2, 3, 4, 5]
     loss_err, norm_err = curve_errors(recs, ref)

@@ -11,7 +11,8 @@ import shutil
 import pytest
 import torch
 
-from tests.integration.conftest import SMALL, check_parity, launch, metrics, ok, read_jsonl, rel_err
+from tests.integration.conftest import (
+    SMALL, check_generation_config, check_parity, launch, metrics, ok, read_jsonl, rel_err)
 
 STEPS = 4
 # Every backend reorders the same fp32 sums; the issue's bar is 1e-4 relative, and they meet 1e-6.
@@ -130,9 +131,10 @@ def test_lora_trains_the_same_on_every_backend(single, layouts):
 
 
 @pytest.mark.parametrize("name", ["fsdp", "zero3"])
-def test_sharded_exports_equal_the_single_process_ones(single, layouts, name):
+def test_sharded_exports_equal_the_single_process_ones(generated_data, single, layouts, name):
     from safetensors.torch import load_file
 
+    check_generation_config([single / "hf", layouts[name] / "hf"], generated_data.model)  # the merged model's too
     for folder, filename in (("hf-adapter", "adapter_model.safetensors"), ("hf", "model.safetensors")):
         mine, ref = load_file(layouts[name] / folder / filename), load_file(single / folder / filename)
         assert sorted(mine) == sorted(ref)
@@ -189,7 +191,7 @@ def test_qlora_trains_on_a_4bit_base_and_exports_its_merged_model(generated_data
 
 
 @pytest.mark.parametrize("name", ["single", "zero2"])
-def test_exporting_a_lora_checkpoint_rebuilds_the_runs_exports(single, layouts, tmp_path, name):
+def test_exporting_a_lora_checkpoint_rebuilds_the_runs_exports(generated_data, single, layouts, tmp_path, name):
     """python -m trainer.export on a checkpoint that holds the adapters only (DCP; DeepSpeed's format): the base is
     read again, and the merged model and the adapter equal the run's own end-of-run export."""
     import subprocess
@@ -203,6 +205,7 @@ def test_exporting_a_lora_checkpoint_rebuilds_the_runs_exports(single, layouts, 
     proc = subprocess.run([sys.executable, "-m", "trainer.export", str(run / "checkpoints" / "step_4"),
                            str(tmp_path / "merged")], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    check_generation_config([tmp_path / "merged"], generated_data.model)
     for folder, filename in (("merged-adapter", "adapter_model.safetensors"), ("merged", "model.safetensors")):
         got = load_file(tmp_path / folder / filename)
         ref = load_file(single / ("hf-adapter" if folder.endswith("adapter") else "hf") / filename)

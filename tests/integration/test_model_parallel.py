@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tests.integration.conftest import (
-    EXPORT_IDS, FP32_TOL, SMALL, check_export, check_parity, check_pretrained_loaded, curve_errors, launch, metrics, ok, pretrained_overrides,
-    read_jsonl, rel_err)
+    EXPORT_IDS, FP32_TOL, SMALL, check_export, check_generation_config, check_parity, check_pretrained_loaded,
+    curve_errors, launch, metrics, ok, pretrained_overrides, read_jsonl, rel_err)
 
 # SMALL with 4 decoder blocks, so that the looped / V-shaped schedules (2 stages per rank x 2 ranks) get a
 # block per stage. Global batch 8, 10 steps, fp32; nothing written that the test does not read.
@@ -279,10 +279,11 @@ def test_tp_and_pp_exports_agree(tp_run, pp_run):
 def test_tp_pretrained_model_matches_single_process(generated_data, pretrained_reference, tmp_path):
     """model=hf (Llama): split by its config's base_model_tp_plan (8 heads, 4 KV heads, intermediate 172,
     vocabulary 512 over 2 ranks), each rank loading its slices; the pretrained weights (not a fresh
-    initialization) are trained, the same numbers as one process over 5 steps. The model is a tiny Llama of
-    stories260K's widths written by the test session."""
+    initialization) are trained, the same numbers as one process over 5 steps; hf/ carries the folder's generation
+    config. The model is a tiny Llama of stories260K's widths written by the test session."""
     common = pretrained_overrides(generated_data)
-    _launch_checked(tmp_path / "tp", common + ["strategy=tp"], 2, "tp", 1)
+    _launch_checked(tmp_path / "tp", common + ["strategy=tp", "export.hf_at_end=true"], 2, "tp", 1)
+    check_generation_config([tmp_path / "tp" / "hf"], generated_data.model)
     check_parity(f"tp pretrained ({generated_data.name}) ws2", metrics(tmp_path / "tp"),
                   metrics(pretrained_reference), steps=5)
     check_pretrained_loaded(tmp_path / "tp", generated_data, common, f"tp pretrained ({generated_data.name})")

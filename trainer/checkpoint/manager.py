@@ -8,7 +8,7 @@ Layout of `<run dir>/checkpoints/`:
                           model shapes, data fingerprint, the degrees it was saved with
       config.yaml         the resolved config of the run that saved it
       rng/rank_<r>.pt     each rank's Python / NumPy / torch / CUDA RNG states
-      hf_config/          the model's Hugging Face config and tokenizer (for `python -m trainer.export`)
+      hf_config/          the model's HF config, generation config and tokenizer (for `python -m trainer.export`)
       *.distcp, .metadata model and optimizer tensors, sharded by torch.distributed.checkpoint (DCP)
     .tmp-step_<N>/        a save in progress, or one that died; never resumed from, removed by the next save
     latest                the name of the newest complete checkpoint (moved only after it is complete)
@@ -503,6 +503,8 @@ class CheckpointManager:
         OmegaConf.save(OmegaConf.structured(cfg), os.path.join(tmp, "config.yaml"))
         hf_dir = os.path.join(tmp, "hf_config")
         strategy.unwrapped().config.save_pretrained(hf_dir)
+        if strategy.generation_config is not None:  # the export command writes it beside config.json
+            strategy.generation_config.save_pretrained(hf_dir)
         identity.tokenizer.save_pretrained(hf_dir)
         if strategy.adapters is not None:  # adapter_config.json: `python -m trainer.export` writes the adapter
             strategy.adapters.config.save_pretrained(hf_dir)

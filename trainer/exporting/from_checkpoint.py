@@ -66,23 +66,35 @@ def export_checkpoint(checkpoint: str, out_dir: str, dtype: str | None = None,
     hf_dir = os.path.join(path, "hf_config")
     config = AutoConfig.from_pretrained(hf_dir)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    generation = _generation_config(hf_dir, config)
     if meta.get("peft"):
         adapter_dir = adapter_dir or out_dir.rstrip("/") + "-adapter"
-        _export_lora(path, meta, config, tokenizer, out_dir, dtype, adapter_dir)
+        _export_lora(path, meta, config, generation, tokenizer, out_dir, dtype, adapter_dir)
         return path, [out_dir, adapter_dir]
     if meta.get("checkpoint_format") == "deepspeed":
-        _export_deepspeed(path, config, tokenizer, out_dir, dtype)
+        _export_deepspeed(path, config, generation, tokenizer, out_dir, dtype)
         return path, [out_dir]
     # DCP holds the fp32 master weights: read them into an fp32 model (whatever dtype its config names).
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model = model.to_empty(device="cpu")
+    model.generation_config = generation
     state = {"model": model.state_dict()}
     _read_dcp(state, path, "the model")
     model.load_state_dict(state["model"])
     model.tie_weights()
     write_hf_folder(model, tokenizer, out_dir, dtype=dtype)
     return path, [out_dir]
+
+
+def _generation_config(hf_dir: str, config):
+    """The run's generation config, saved beside its config (the source's sampling defaults and stop tokens); a
+    checkpoint saved before it was kept there: the one derived from config.json, as the model itself would have."""
+    from transformers import GenerationConfig
+
+    if os.path.isfile(os.path.join(hf_dir, "generation_config.json")):
+        return GenerationConfig.from_pretrained(hf_dir)
+    return GenerationConfig.from_model_config(config)
 
 
 def _read_dcp(state: dict, path: str, what: str) -> None:
@@ -96,7 +108,7 @@ def _read_dcp(state: dict, path: str, what: str) -> None:
         raise ckpt.CheckpointError(f"cannot read {what} from {path}: {one_line(e)}") from None
 
 
-def _export_deepspeed(path: str, config, tokenizer, out_dir: str, dtype: str) -> None:
+def _export_deepspeed(path: str, config, generation, tokenizer, out_dir: str, dtype: str) -> None:
     """ZeRO shards -> HF folder, one parameter at a time (DeepSpeed's lazy fp32 reconstruction of the master
     weights), so the full fp32 model is never held at once. DeepSpeed's own files are pickles: each is checked
     weights-only against an exact allow-list first, and DeepSpeed's reads are weights-only (trainer/checkpoint/safe_load.py)."""
@@ -111,10 +123,12 @@ def _export_deepspeed(path: str, config, tokenizer, out_dir: str, dtype: str) ->
             for name, value in lazy.items():
                 yield name, value.contiguous()
 
-        write_hf_folder_streaming(config, tokenizer, out_dir, tensors(), writer=True, dtype=dtype)
+        write_hf_folder_streaming(config, tokenizer, out_dir, tensors(), writer=True, dtype=dtype,
+                                  generation_config=generation)
 
 
-def _export_lora(path: str, meta: dict, config, tokenizer, out_dir: str, dtype: str, adapter_dir: str) -> None:
+def _export_lora(path: str, meta: dict, config, generation, tokenizer, out_dir: str, dtype: str,
+                 adapter_dir: str) -> None:
     """A LoRA checkpoint holds the adapters only: the base is built again as the run built it (the pretrained
     folder named by its config.yaml, in 4 bits for QLoRA, or the seeded preset), the adapters are read into it, and
     the merged model and the adapter are written as the run's own export writes them."""
@@ -144,7 +158,7 @@ def _export_lora(path: str, meta: dict, config, tokenizer, out_dir: str, dtype: 
         _read_dcp({"model": {n: p.detach() for n, p in trained.items()}}, path, "the adapters")  # in place
     adapter = {}
     write_hf_folder_streaming(config, tokenizer, out_dir, adapters.export_streams(lora.full_tensors(model), adapter),
-                              writer=True, dtype=dtype)
+                              writer=True, dtype=dtype, generation_config=generation)
     write_adapter_folder(adapters, adapter_dir, adapter, run.model.name_or_path)
 
 

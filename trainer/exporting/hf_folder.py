@@ -15,12 +15,13 @@ from trainer.run.precision import DTYPES
 
 
 def write_hf_folder_streaming(config, tokenizer, out_dir: str, named_tensors, writer: bool,
-                              max_shard_bytes: int = 2 << 30, dtype=None) -> None:
+                              max_shard_bytes: int = 2 << 30, dtype=None, generation_config=None) -> None:
     """An HF model folder written one tensor at a time: `named_tensors` yields (name, tensor) on every rank
     (its iteration may be collective, e.g. gathering one sharded parameter at a time); the writer rank keeps at
     most one shard (`max_shard_bytes`) in memory, so no rank ever holds the whole model. Atomic like
     write_hf_folder. `dtype` (fp32 / bf16 / fp16 or a torch dtype; None: as yielded): the writer casts every
-    floating-point tensor to it. config.json's `dtype` states the dtype written."""
+    floating-point tensor to it. config.json's `dtype` states the dtype written. `generation_config` (the model's):
+    written as generation_config.json, as save_pretrained writes it."""
     out_dir = os.path.abspath(out_dir)
     tmp = out_dir + ".tmp"
     if writer:
@@ -37,6 +38,8 @@ def write_hf_folder_streaming(config, tokenizer, out_dir: str, named_tensors, wr
         raise_non_finite(shards.non_finite)
     shards.finish()
     config.save_pretrained(tmp)
+    if generation_config is not None:
+        generation_config.save_pretrained(tmp)
     if shards.written is not None:
         _stamp_config_dtype(tmp, shards.written)
     tokenizer.save_pretrained(tmp)

@@ -21,7 +21,7 @@ def export_hf(strategy, cfg, out_dir: str, tokenizer, adapter_dir: Optional[str]
         adapter = {}
         streams = strategy.adapters.export_streams(strategy.full_tensors(), adapter)
         write_hf_folder_streaming(dense_config(strategy.hf_config), tokenizer, out_dir, streams, writer,
-                                  dtype=cfg.export.dtype)
+                                  dtype=cfg.export.dtype, generation_config=strategy.generation_config)
         if writer and adapter_dir:
             write_adapter_folder(strategy.adapters, adapter_dir, adapter, cfg.model.name_or_path)
         folders += [adapter_dir] if adapter_dir else []
@@ -30,7 +30,7 @@ def export_hf(strategy, cfg, out_dir: str, tokenizer, adapter_dir: Optional[str]
             write_hf_folder(strategy.unwrapped(), tokenizer, out_dir, dtype=cfg.export.dtype)
     else:
         write_hf_folder_streaming(strategy.hf_config, tokenizer, out_dir, strategy.full_tensors(), writer,
-                                  dtype=cfg.export.dtype)
+                                  dtype=cfg.export.dtype, generation_config=strategy.generation_config)
     if dist.is_initialized():
         dist.barrier()
     return folders

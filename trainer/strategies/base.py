@@ -145,6 +145,11 @@ class Strategy:
         """The Hugging Face config of the whole model (what an export writes as config.json)."""
         return self.unwrapped().config
 
+    @property
+    def generation_config(self):
+        """The model's generation config (what an export writes as generation_config.json), None if it has none."""
+        return getattr(self.unwrapped(), "generation_config", None)
+
     def track_tasks(self, num_tasks: int) -> None:
         """Keep per-task loss sums of every step (data.kind=mixture: each batch row carries its task)."""
         self.tasks = TaskLosses(num_tasks, self.device)

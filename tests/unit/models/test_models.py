@@ -308,3 +308,58 @@ def test_bert_configured_as_a_decoder_is_accepted(tmp_path):
     _save_config_folder(config, tmp_path)
     m = ModelConfig(kind="hf", name_or_path=str(tmp_path), tokenizer=None)
     assert registry.describe(m, registry.load_tokenizer(m)).num_layers == 1
+
+
+# ---- the source's generation config, whichever way the model is built ----------------------------------------
+SAMPLING = {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "max_new_tokens": 33}
+
+
+def _folder_with_generation_config(path, body: str):
+    path.mkdir(exist_ok=True)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = embedded_tokenizer()
+    config = LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, eos_token_id=tok.eos_token_id)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    (path / "generation_config.json").write_text(body)
+    return ModelConfig(kind="hf", name_or_path=str(path), tokenizer=None)
+
+
+def test_a_model_built_without_its_weights_keeps_the_sources_generation_config(tmp_path):
+    """The sharded strategies build a pretrained model from its config (load_weights=False) and read the weights
+    themselves; the model still carries the folder's generation_config.json (sampling defaults, stop tokens) as
+    from_pretrained's does, so every layout exports it. Before, such a model had the one derived from config.json."""
+    import json
+
+    m = _folder_with_generation_config(tmp_path, json.dumps({**SAMPLING, "eos_token_id": [1, 7]}))
+    info = registry.describe(m, registry.load_tokenizer(m))
+    loaded = registry.build(m, info)
+    with torch.device("meta"):
+        built = registry.build(m, info, load_weights=False)
+    for model in (loaded, built):
+        got = model.generation_config.to_dict()
+        assert {k: got[k] for k in SAMPLING} == SAMPLING and got["eos_token_id"] == [1, 7], got
+    assert built.generation_config.to_diff_dict() == loaded.generation_config.to_diff_dict()
+
+
+def test_without_the_file_or_with_an_invalid_one_built_and_loaded_models_agree(tmp_path):
+    """No generation_config.json (or one that is not JSON): both ways give the one derived from config.json, as
+    from_pretrained falls back; values transformers refuses: one model error naming the folder."""
+    import json
+
+    for name, body in (("none", None), ("not-json", "{not json")):
+        m = _folder_with_generation_config(tmp_path / name, body or "")
+        if body is None:
+            (tmp_path / name / "generation_config.json").unlink()
+        info = registry.describe(m, registry.load_tokenizer(m))
+        with torch.device("meta"):
+            built = registry.build(m, info, load_weights=False)
+        assert built.generation_config.to_diff_dict() == registry.build(m, info).generation_config.to_diff_dict()
+        assert built.generation_config.eos_token_id == info.hf_config.eos_token_id
+    m = _folder_with_generation_config(tmp_path / "refused", json.dumps({"max_new_tokens": -3}))
+    info = registry.describe(m, registry.load_tokenizer(m))
+    with torch.device("meta"), pytest.raises(ModelError, match="cannot load the generation config") as e:
+        registry.build(m, info, load_weights=False)
+    assert "model.name_or_path" in str(e.value) and "max_new_tokens" in str(e.value), e.value
