@@ -192,15 +192,24 @@ def check_generation_config(folders, source) -> None:
         assert generation_config(folder) == want, (folder, generation_config(folder), want)
 
 
+def check_same_export_files(folders, architecture: str = "LlamaForCausalLM") -> None:
+    """Export folders written by different layouts or commands hold the same config.json, whose `architectures`
+    names the causal LM class (serving stacks such as vLLM pick the model by it), and the same generation config."""
+    configs = [json.loads((Path(f) / "config.json").read_text()) for f in folders]
+    assert configs[0].get("architectures") == [architecture], configs[0]
+    assert all(c == configs[0] for c in configs), configs
+    assert all(generation_config(f) == generation_config(folders[0]) for f in folders)
+
+
 def check_export(run_dir, tmp_path, overrides, name: str, final_step: int = 10):
     """hf/ (written at the end of the run) and `python -m trainer.export` of the final checkpoint give the same
-    logits and generation config, and the exported model's validation loss is the one the trainer measured after
+    logits, config and generation config, and the exported model's validation loss is the one the trainer measured after
     the last step. Returns the model loaded from hf/."""
     import torch
     from transformers import AutoModelForCausalLM
 
     export_command(run_dir / "checkpoints" / f"step_{final_step}", tmp_path / "exported")
-    assert generation_config(run_dir / "hf") == generation_config(tmp_path / "exported")
+    check_same_export_files([run_dir / "hf", tmp_path / "exported"])
     at_end = AutoModelForCausalLM.from_pretrained(run_dir / "hf").eval()
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported").eval()
     ids = torch.tensor(EXPORT_IDS)

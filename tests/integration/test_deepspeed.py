@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tests.integration.conftest import (
-    FP32_TOL, REPO, SMALL, check_generation_config, check_pretrained_loaded, curve_errors, export_command, launch,
-    metrics, ok, pretrained_overrides, rel_err)
+    FP32_TOL, REPO, SMALL, check_generation_config, check_pretrained_loaded, check_same_export_files, curve_errors,
+    export_command, launch, metrics, ok, pretrained_overrides, rel_err)
 
 TEN = SMALL + ["train.max_steps=10", "train.log_every=1", "train.global_batch_size=8", "eval.every=0",
                "eval.at_end=false", "export.hf_at_end=false", "checkpoint.at_end=false"]
@@ -114,8 +114,9 @@ def test_zero_resume_is_exact_and_exports(zero_run, tmp_path):
 
 
 def test_export_cli_from_zero_shards_matches_trained_model(zero_run, tmp_path):
-    """`python -m trainer.export` rebuilds the fp32 model from the ZeRO shards one parameter at a time; its logits
-    equal those of the model the run exported at its end (hf/, gathered one parameter at a time for ZeRO-3)."""
+    """`python -m trainer.export` rebuilds the fp32 model from the ZeRO shards one parameter at a time; its logits,
+    config.json and generation config equal those of the model the run exported at its end (hf/, gathered one
+    parameter at a time for ZeRO-3)."""
     import subprocess
     import sys
 
@@ -130,6 +131,7 @@ def test_export_cli_from_zero_shards_matches_trained_model(zero_run, tmp_path):
         exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")(ids).logits
         at_end = AutoModelForCausalLM.from_pretrained(first / "hf")(ids).logits
     assert torch.equal(exported, at_end)
+    check_same_export_files([first / "hf", tmp_path / "exported"])
 
 
 @pytest.mark.parametrize("strategy,nproc", [("zero2", 4), ("zero3", 1)], ids=["zero2-ws2-to-ws4", "zero3-ws2-to-ws1"])

@@ -3,12 +3,14 @@ tensor by tensor from a sharded one. Non-finite weights are refused (a diverged 
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import shutil
 import sys
 
 import torch
 
+from models.loading import causal_lm_class
 from models.lora import ADAPTER_WEIGHTS
 from tessera.errors import DivergenceError
 from trainer.run.precision import DTYPES
@@ -37,13 +39,25 @@ def write_hf_folder_streaming(config, tokenizer, out_dir: str, named_tensors, wr
         shutil.rmtree(tmp, ignore_errors=True)
         raise_non_finite(shards.non_finite)
     shards.finish()
-    config.save_pretrained(tmp)
+    exported_config(config).save_pretrained(tmp)
     if generation_config is not None:
         generation_config.save_pretrained(tmp)
     if shards.written is not None:
         _stamp_config_dtype(tmp, shards.written)
     tokenizer.save_pretrained(tmp)
     replace_folder(tmp, out_dir)
+
+
+def exported_config(config):
+    """The config as save_pretrained writes it: `architectures` names the class the weights are for (serving stacks
+    such as vLLM pick the model by it; a preset's config is made without it, and a source's may name its base
+    model): the causal LM class transformers builds for it. Remote code (no such class known): as it is."""
+    cls = causal_lm_class(config)
+    if cls is None or list(getattr(config, "architectures", None) or []) == [cls.__name__]:
+        return config
+    config = copy.deepcopy(config)
+    config.architectures = [cls.__name__]
+    return config
 
 
 class _Shards:
@@ -192,8 +206,6 @@ def replace_folder(tmp: str, out_dir: str) -> None:
 def dense_config(config):
     """A copy of a model's config without bitsandbytes' quantization_config (QLoRA): the config of the merged,
     dense model that the export writes."""
-    import copy
-
     config = copy.deepcopy(config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -203,10 +215,7 @@ def dense_config(config):
 def write_adapter_folder(adapters, folder: str, tensors: dict, base_name_or_path) -> None:
     """A PEFT adapter folder (adapter_config.json + adapter_model.safetensors, as PeftModel.save_pretrained
     writes it) of `adapters` (models.lora.Adapters) with `tensors` under PEFT's keys; atomic like write_hf_folder."""
-    import copy
-
     from safetensors.torch import save_file
-
 
     bad = [k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
     if bad:
