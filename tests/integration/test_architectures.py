@@ -188,10 +188,21 @@ def _check_parity(name: str, run_dir, ref_dir, tol: float) -> None:
         f"  grad norms {[r['grad_norm'] for r in recs]}\n  single     {[r['grad_norm'] for r in ref]}")
 
 
-def _check_export(name: str, run_dir, arch_class: str) -> None:
-    """hf/ loads with from_pretrained as the same architecture, gives finite logits over the whole vocabulary,
-    and its loss on the trainer's validation sequences is the trainer's final val loss (the export is the model
-    the trainer ended with)."""
+def _tensor_names(folder: Path) -> list:
+    from safetensors import safe_open
+
+    names = []
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(path, "pt") as fh:
+            names += list(fh.keys())
+    return sorted(names)
+
+
+def _check_export(name: str, run_dir, source: Path) -> None:
+    """hf/ holds the tensors save_pretrained wrote for the source (a tied LM head once, under the embedding's
+    name) and config.json names its class, loads with from_pretrained as the same architecture, gives finite logits
+    over the whole vocabulary, and its loss on the trainer's validation sequences is the trainer's final val loss
+    (the export is the model the trainer ended with)."""
     import torch
     import torch.nn.functional as F
     import transformers
@@ -201,6 +212,10 @@ def _check_export(name: str, run_dir, arch_class: str) -> None:
 
     transformers.utils.logging.disable_progress_bar()
     run_dir = Path(run_dir)
+    assert _tensor_names(run_dir / "hf") == _tensor_names(source), (
+        f"{name}: {set(_tensor_names(run_dir / 'hf')) ^ set(_tensor_names(source))}")
+    arch_class = _arch_class(source)
+    assert json.loads((run_dir / "hf" / "config.json").read_text())["architectures"] == [arch_class]
     model = AutoModelForCausalLM.from_pretrained(run_dir / "hf").eval()
     assert type(model).__name__ == arch_class, (type(model).__name__, arch_class)
     batch = json.loads((run_dir / "val_batch.json").read_text())
@@ -217,10 +232,10 @@ def _check_export(name: str, run_dir, arch_class: str) -> None:
 _ARCH_CLASS = {}
 
 
-def _arch_class(arch_models: Path, arch: str) -> str:
-    if arch not in _ARCH_CLASS:
-        _ARCH_CLASS[arch] = json.loads((arch_models / arch / "config.json").read_text())["architectures"][0]
-    return _ARCH_CLASS[arch]
+def _arch_class(source: Path) -> str:
+    if source not in _ARCH_CLASS:
+        _ARCH_CLASS[source] = json.loads((source / "config.json").read_text())["architectures"][0]
+    return _ARCH_CLASS[source]
 
 
 def _cell(job: str, layout: str):
@@ -243,7 +258,7 @@ def test_architecture_trains_under_layout(matrix, arch_models, layout, arch):
     else:
         ref = _finished(matrix, "single", arch)
         _check_parity(f"{arch} {layout}", r["run_dir"], ref["run_dir"], TOL)
-    _check_export(f"{arch} {layout}", r["run_dir"], _arch_class(arch_models, arch))
+    _check_export(f"{arch} {layout}", r["run_dir"], arch_models / arch)
 
 
 @pytest.mark.parametrize("arch,layout", sorted(REFUSED))
@@ -269,7 +284,7 @@ def test_sgd_trains_under_layout(matrix, arch_models, layout, job):
     sgd, adam = _curves(r["run_dir"]), _curves(adamw["run_dir"])
     assert sgd[0]["loss"] == pytest.approx(adam[0]["loss"], rel=TOL)  # same model, same first batch
     assert rel_err(sgd[-1]["loss"], adam[-1]["loss"]) > 1e-3  # another optimizer, another curve
-    _check_export(f"{job} {layout}", r["run_dir"], _arch_class(arch_models, "llama"))
+    _check_export(f"{job} {layout}", r["run_dir"], arch_models / "llama")
 
 
 @pytest.mark.parametrize("layout", [lay for lay in DENSE_LAYOUTS if lay != "single"])

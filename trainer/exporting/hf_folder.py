@@ -5,11 +5,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import re
 import shutil
 import sys
 
 import torch
 
+from models.init import meta_model
 from models.loading import causal_lm_class
 from models.lora import ADAPTER_WEIGHTS
 from tessera.errors import DivergenceError
@@ -29,12 +31,13 @@ def write_hf_folder_streaming(config, tokenizer, out_dir: str, named_tensors, wr
     if writer:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-    shards = _Shards(tmp, max_shard_bytes, _export_torch_dtype(dtype))
-    for name, tensor in named_tensors:
-        if writer:  # every rank still iterates: the iteration may be collective
-            shards.add(name, tensor)
     if not writer:
+        for _ in named_tensors:  # every rank iterates: the iteration may be collective
+            pass
         return
+    shards = _Shards(tmp, max_shard_bytes, _export_torch_dtype(dtype))
+    for name, tensor in saved_layout(config, named_tensors):
+        shards.add(name, tensor)
     if shards.non_finite:
         shutil.rmtree(tmp, ignore_errors=True)
         raise_non_finite(shards.non_finite)
@@ -46,6 +49,38 @@ def write_hf_folder_streaming(config, tokenizer, out_dir: str, named_tensors, wr
         _stamp_config_dtype(tmp, shards.written)
     tokenizer.save_pretrained(tmp)
     replace_folder(tmp, out_dir)
+
+
+def saved_layout(config, named_tensors):
+    """(name, tensor) of the model's full tensors as save_pretrained writes them: a tied LM head once, under the
+    embedding's name (from_pretrained ties it again), and transformers' load-time conversions reverted (its
+    save_original_format: GPT-NeoX's lm_head back to embed_out, fused experts back to per-expert tensors, ...), one
+    decoder block at a time, so no more than a block is held. Remote code (no class known here): as they come."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    if causal_lm_class(config) is None:
+        yield from named_tensors
+        return
+    model = meta_model(config)
+    aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
+    group, block = {}, None
+    for name, tensor in named_tensors:
+        if name in aliases:
+            continue
+        if group and _block_of(name) != block:
+            yield from revert_weight_conversion(model, group).items()
+            group = {}
+        block = _block_of(name)
+        group[name] = tensor
+    if group:
+        yield from revert_weight_conversion(model, group).items()
+
+
+def _block_of(name: str) -> str:
+    """The decoder block a tensor belongs to (its name up to the first numeric part: model.layers.3, transformer.h.0),
+    or the name itself: transformers' conversions act within a block."""
+    match = re.match(r"(.*?\.\d+)\.", name)
+    return match.group(1) if match else name
 
 
 def exported_config(config):

@@ -62,3 +62,21 @@ def test_a_streamed_export_writes_the_files_save_pretrained_writes(tmp_path, mod
     assert model.config.architectures == ["LlamaModel"]
     unknown = type("RemoteConfig", (LlamaConfig,), {})(architectures=["MyForCausalLM"])  # remote code
     assert exported_config(unknown) is unknown
+
+
+@pytest.mark.parametrize("arch", ["llama_tied", "gpt_neox", "mixtral"])
+def test_a_streamed_export_holds_the_tensors_save_pretrained_writes(tmp_path, arch):
+    """The model's full tensors, streamed, are written in transformers' checkpoint layout as save_pretrained writes
+    them: a tied head once, GPT-NeoX's lm_head as embed_out, Mixtral's fused experts as per-expert tensors."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from tests.archs import make_model_folder
+
+    source = make_model_folder(arch, tmp_path / "source")
+    model = AutoModelForCausalLM.from_pretrained(source)
+    write_hf_folder_streaming(model.config, embedded_tokenizer(), str(tmp_path / "streamed"),
+                              ((n, p.detach()) for n, p in model.state_dict().items()), writer=True)
+    want, got = load_file(source / "model.safetensors"), load_file(tmp_path / "streamed" / "model.safetensors")
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
