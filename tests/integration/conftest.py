@@ -203,8 +203,8 @@ def check_same_export_files(folders, architecture: str = "LlamaForCausalLM") -> 
 
 def check_export(run_dir, tmp_path, overrides, name: str, final_step: int = 10):
     """hf/ (written at the end of the run) and `python -m trainer.export` of the final checkpoint give the same
-    logits, config and generation config, and the exported model's validation loss is the one the trainer measured after
-    the last step. Returns the model loaded from hf/."""
+    logits, config and generation config, and the exported model's validation loss is the one the trainer
+    measured after the last step. Returns the model loaded from hf/."""
     import torch
     from transformers import AutoModelForCausalLM
 

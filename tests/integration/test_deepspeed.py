@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.integration.conftest import (
-    FP32_TOL, REPO, SMALL, check_generation_config, check_pretrained_loaded, check_same_export_files, curve_errors,
+    FP32_TOL, SMALL, check_generation_config, check_pretrained_loaded, check_same_export_files, curve_errors,
     export_command, launch, metrics, ok, pretrained_overrides, rel_err)
 
 TEN = SMALL + ["train.max_steps=10", "train.log_every=1", "train.global_batch_size=8", "eval.every=0",
@@ -117,15 +117,10 @@ def test_export_cli_from_zero_shards_matches_trained_model(zero_run, tmp_path):
     """`python -m trainer.export` rebuilds the fp32 model from the ZeRO shards one parameter at a time; its logits,
     config.json and generation config equal those of the model the run exported at its end (hf/, gathered one
     parameter at a time for ZeRO-3)."""
-    import subprocess
-    import sys
-
     from transformers import AutoModelForCausalLM
 
     strategy, first = zero_run
-    proc = subprocess.run([sys.executable, "-m", "trainer.export", str(first / "checkpoints" / "step_8"),
-                           str(tmp_path / "exported")], cwd=REPO, capture_output=True, text=True, timeout=180)
-    ok(proc)
+    export_command(first / "checkpoints" / "step_8", tmp_path / "exported")
     ids = torch.tensor([[3, 14, 15, 92, 65, 256]])
     with torch.no_grad():
         exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")(ids).logits

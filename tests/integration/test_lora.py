@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.integration.conftest import (
-    SMALL, check_generation_config, check_parity, launch, metrics, ok, read_jsonl, rel_err)
+    SMALL, check_generation_config, check_parity, export_command, launch, metrics, ok, read_jsonl, rel_err)
 
 STEPS = 4
 # Every backend reorders the same fp32 sums; the issue's bar is 1e-4 relative, and they meet 1e-6.
@@ -194,17 +194,10 @@ def test_qlora_trains_on_a_4bit_base_and_exports_its_merged_model(generated_data
 def test_exporting_a_lora_checkpoint_rebuilds_the_runs_exports(generated_data, single, layouts, tmp_path, name):
     """python -m trainer.export on a checkpoint that holds the adapters only (DCP; DeepSpeed's format): the base is
     read again, and the merged model and the adapter equal the run's own end-of-run export."""
-    import subprocess
-    import sys
-
     from safetensors.torch import load_file
 
-    from tests.integration.conftest import REPO
-
     run = single if name == "single" else layouts[name]
-    proc = subprocess.run([sys.executable, "-m", "trainer.export", str(run / "checkpoints" / "step_4"),
-                           str(tmp_path / "merged")], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    export_command(run / "checkpoints" / "step_4", tmp_path / "merged")
     check_generation_config([tmp_path / "merged"], generated_data.model)
     for folder, filename in (("merged-adapter", "adapter_model.safetensors"), ("merged", "model.safetensors")):
         got = load_file(tmp_path / folder / filename)

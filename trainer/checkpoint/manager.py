@@ -503,8 +503,9 @@ class CheckpointManager:
         OmegaConf.save(OmegaConf.structured(cfg), os.path.join(tmp, "config.yaml"))
         hf_dir = os.path.join(tmp, "hf_config")
         strategy.unwrapped().config.save_pretrained(hf_dir)
-        if strategy.generation_config is not None:  # the export command writes it beside config.json
-            strategy.generation_config.save_pretrained(hf_dir)
+        generation = strategy.generation_config
+        if generation is not None:  # the export command writes it beside config.json
+            generation.save_pretrained(hf_dir)
         identity.tokenizer.save_pretrained(hf_dir)
         if strategy.adapters is not None:  # adapter_config.json: `python -m trainer.export` writes the adapter
             strategy.adapters.config.save_pretrained(hf_dir)

@@ -67,10 +67,11 @@ def saved_layout(config, named_tensors):
     for name, tensor in named_tensors:
         if name in aliases:
             continue
-        if group and _block_of(name) != block:
+        key = _block_of(name)
+        if group and key != block:
             yield from revert_weight_conversion(model, group).items()
             group = {}
-        block = _block_of(name)
+        block = key
         group[name] = tensor
     if group:
         yield from revert_weight_conversion(model, group).items()

@@ -315,9 +315,9 @@ SAMPLING = {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "max_new_tokens
 
 
 def _folder_with_generation_config(path, body: str):
-    path.mkdir(exist_ok=True)
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    path.mkdir(exist_ok=True)
     tok = embedded_tokenizer()
     config = LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=2, eos_token_id=tok.eos_token_id)
