@@ -54,7 +54,8 @@ LAYOUTS = {
 }
 # bf16 also exports in bf16 (export.dtype): the fp32 masters cast, on every layout.
 VARIANTS = {"fp32": [], "bf16": ["precision=bf16", "export.dtype=bf16"], "fp16": ["precision=fp16"],
-            "sgd": ["optim=sgd"]}
+            "sgd": ["optim=sgd"], "adafactor": ["optim=adafactor"], "muon": ["optim=muon"],
+            "adamw_8bit": ["optim=adamw_8bit"]}
 STEPS = 3
 EVAL_SEQUENCES = 8
 COLLECTIVE_TIMEOUT_S = 30  # a rank left waiting by a failed peer gives up after this

@@ -135,12 +135,17 @@ PROBLEM_GROUPS = {
         ("zero-fp16-on-cpu", ["precision=fp16", "train.device=cpu"],
          "precision=fp16 with strategy=zero2 needs a CUDA device"),
         ("diloco-on-zero2", ["sync=diloco"], "sync=diloco is not available with strategy=zero2; use strategy=ddp"),
+        ("muon-on-zero-partitions", ["optim=muon"], "optim.name=muon: it orthogonalises each matrix's update "
+                                                    "(Newton-Schulz), but strategy=zero2 hands the optimizer ZeRO's "
+                                                    "flat 1-D partitions"),
     ],
     "zero3": [
         ("ds-json-offload-not-an-object", ["strategy.deepspeed_config={tmp}/ds_offload.json"],
          "zero_optimization.offload_optimizer='cpu' must be a JSON object"),
         ("zeropp-on-cpu", ["strategy.zero_quantized_gradients=true", "train.device=cpu"],
          "needs CUDA devices (DeepSpeed's quantisation kernels)"),
+        ("adafactor-on-zero-partitions", ["optim=adafactor"], "optim.name=adafactor: it factors each matrix's "
+                                                              "second moment into row and column means"),
     ],
     # A torchft group that does not say which it is would train on another group's share of the data.
     "ddp": [
@@ -161,6 +166,8 @@ PROBLEM_GROUPS = {
          "strategy.comm_hook=powersgd is a DDP communication hook; strategy=fsdp cannot use it"),
         ("lora-adapter-of-another-base-model", ["peft=lora", "peft.adapter={tmp}/adapter-hidden-32"],
          "is an adapter for another base model (some/llama-h32)"),
+        ("adamw-8bit-on-dtensors", ["optim=adamw_8bit"], "optim.name=adamw_8bit: bitsandbytes' 8-bit kernels have "
+                                                         "no DTensor rules, and strategy=fsdp steps DTensors here"),
     ],
 }
 

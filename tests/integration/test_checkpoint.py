@@ -89,6 +89,24 @@ def test_ddp_resume_is_bit_exact(ddp2, tmp_path):
     _assert_same(tmp_path, ddp2, 7, exact=True)
 
 
+@pytest.mark.parametrize("launcher,nproc,strategy,optimizer", [
+    ("python", 1, "single", "adafactor"),  # a step count and an eps pair of its own in each group
+    ("torchrun", 2, "zero2", "adamw_8bit"),  # bitsandbytes' uint8 moments in DeepSpeed's partitioned state
+    ("torchrun", 2, "fsdp", "muon"),  # DTensor momentum beside AdamW's moments, one optimizer in DCP
+], ids=["single-adafactor", "zero2-adamw_8bit", "fsdp-muon"])
+def test_the_other_optimizers_resume_bit_exact(tmp_path, launcher, nproc, strategy, optimizer):
+    """6 steps with a checkpoint at 3, and a run resumed from it: steps 4-6 have the same loss and grad norm."""
+    run = BASE + [f"strategy={strategy}", f"optim={optimizer}", "train.max_steps=6"]
+    ok(launch(launcher, run + ["checkpoint.every=3", "checkpoint.at_end=false"], tmp_path / "first", nproc=nproc))
+    shutil.copytree(tmp_path / "first" / "checkpoints" / "step_3", tmp_path / "resumed" / "checkpoints" / "step_3")
+    ok(launch(launcher, run + ["checkpoint.resume=auto", "checkpoint.at_end=false"], tmp_path / "resumed",
+              nproc=nproc))
+    got, ref = metrics(tmp_path / "resumed"), {r["step"]: r for r in metrics(tmp_path / "first")}
+    assert [r["step"] for r in got] == [4, 5, 6]
+    assert [(r["loss"], r["grad_norm"]) for r in got] == [(ref[r["step"]]["loss"], ref[r["step"]]["grad_norm"])
+                                                          for r in got]
+
+
 @pytest.mark.parametrize("nproc,micro", [(1, 2), (4, 1)], ids=["to-ws1", "to-ws4"])
 def test_resume_on_another_world_size(straight, ddp2, tmp_path, nproc, micro):
     proc = launch("torchrun", BASE + ["strategy=ddp", f"train.micro_batch_size={micro}",

@@ -158,15 +158,23 @@ def test_a_resumed_lora_run_continues_exactly(generated_data, single, layouts, t
 
 
 def test_qlora_trains_on_a_4bit_base_and_exports_its_merged_model(generated_data, tmp_path):
-    """bitsandbytes holds the base in nf4 on the CPU: one process and 2 DDP ranks train the same adapters, and the
-    merged hf/ (the base dequantized plus the adapters, dense) gives the 4-bit adapter model's logits."""
+    """bitsandbytes holds the base in nf4 on the CPU: one process and 2 DDP ranks train the same adapters with its
+    8-bit AdamW (QLoRA's optimizer), a run resumed from a checkpoint continues exactly, and the merged hf/ (the base
+    dequantized plus the adapters, dense) gives the 4-bit adapter model's logits."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     from models.registry import keep_training_layout
 
-    qlora = ["peft.quantization=nf4", "eval.every=2"]
+    qlora = ["peft.quantization=nf4", "eval.every=2", "optim=adamw_8bit"]
     ok(launch("python", _overrides(generated_data, "strategy=single", *qlora), tmp_path / "single"))
+    # the checkpoint's config carries the quantization_config the 4-bit base was loaded with: a resume takes it
+    shutil.copytree(tmp_path / "single" / "checkpoints" / "step_2", tmp_path / "resumed" / "checkpoints" / "step_2")
+    ok(launch("python", _overrides(generated_data, "strategy=single", *qlora, "checkpoint.resume=auto",
+                                   "export.hf_at_end=false"), tmp_path / "resumed"))
+    resumed = metrics(tmp_path / "resumed")
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in resumed] == [
+        (r["step"], r["loss"], r["grad_norm"]) for r in metrics(tmp_path / "single") if r["step"] > 2]
     ok(launch("torchrun", _overrides(generated_data, "strategy=ddp", *qlora, "export.hf_at_end=false"),
               tmp_path / "ddp", nproc=2))
     ref = metrics(tmp_path / "single")

@@ -40,6 +40,10 @@ RUNS = {
     "zero3-lora-ws2": ("torchrun", 2, ["strategy=zero3", "strategy.stage3_param_persistence_threshold=0",
                                         "peft=lora", "peft.r=8"]),
     "fsdp-lora-ws2": ("torchrun", 2, ["strategy=fsdp", "peft=lora", "peft.r=8"]),
+    # the optimizers whose state is not AdamW's 8 bytes per parameter (trainer/run/optim.py state_bytes)
+    "single-adafactor": ("python", 1, ["strategy=single", "optim=adafactor"]),
+    "fsdp-muon-ws2": ("torchrun", 2, ["strategy=fsdp", "optim=muon"]),
+    "zero2-adamw_8bit-ws2": ("torchrun", 2, ["strategy=zero2", "optim=adamw_8bit"]),
 }
 
 
@@ -103,6 +107,18 @@ def test_zero3_builds_presets_partitioned(measured):
     for name in ("single", "zero2-ws2"):
         for r in measured[name]["ranks"]:
             assert r["built_params"] == 4 * psi, (name, r["built_params"], psi)
+
+
+def test_the_optimizers_keep_the_state_they_promise(measured):
+    """Per parameter: Adafactor a row and a column mean per matrix (well under 1 byte), Muon 4 bytes for the
+    block matrices and AdamW's 8 for the rest, 8-bit AdamW about 2 (its moments in uint8) partitioned by ZeRO."""
+    psi = measured["single"]["num_params"]
+    (adafactor,) = _after(measured["single-adafactor"], "optimizer")
+    assert adafactor < 0.2 * psi, (adafactor, psi)
+    muon = sum(_after(measured["fsdp-muon-ws2"], "optimizer"))
+    assert 4 * psi < muon < 8 * psi, (muon, psi)
+    for got in _after(measured["zero2-adamw_8bit-ws2"], "optimizer"):
+        assert rel_err(got, 2 * psi / 2) < 0.05, (got, psi)
 
 
 def test_zero2_and_zero3_shard_the_optimizer_state(measured):

@@ -22,7 +22,7 @@ import json
 import os
 from typing import Dict, List, Tuple
 
-from trainer.run.optim import lr_factor
+from trainer.run.optim import configured_values, lr_factor
 
 PER_INVOCATION = ("checkpoint.resume", "checkpoint.load_weights_only", "checkpoint.overwrite")
 REFUSED = {"train.seed": "it sets the data order of the epoch in progress"}
@@ -35,6 +35,9 @@ MODEL_FREE = ("model.attn_implementation", "model.name_or_path", "model.revision
 HF_VOLATILE = ("transformers_version", "torch_dtype", "dtype", "architectures", "use_cache", "attn_implementation",
                "output_attentions", "output_hidden_states", "return_dict", "tie_encoder_decoder", "pad_token_id",
                "bos_token_id", "eos_token_id")
+# Entries Tessera's own keys set on the loaded model: peft.quantization=nf4 gives the base a quantization_config
+# (compared as the config key peft.quantization; the config a resumed run describes has none).
+HF_SET_BY_KEYS = ("quantization_config",)
 
 
 def _flatten(node, prefix: str = "") -> Dict[str, object]:
@@ -75,7 +78,7 @@ def _hf_differences(checkpoint: str, hf_config) -> List[str]:
     now = hf_config.to_dict()
 
     def relevant(k):
-        return not k.startswith("_") and k not in HF_VOLATILE
+        return not k.startswith("_") and k not in HF_VOLATILE + HF_SET_BY_KEYS
 
     keys = sorted(k for k in set(saved) | set(now) if relevant(k) and saved.get(k) != now.get(k))
     return [f"{k}={saved.get(k)!r} (checkpoint) vs {now.get(k)!r}" for k in keys]
@@ -112,16 +115,11 @@ def apply(checkpoint: str, cfg, optimizer, scheduler, step: int) -> List[str]:
 
 def _apply_optimizer(groups, o) -> None:
     for i, group in enumerate(groups):
-        # Groups are built as [decayed matrices, the rest] (trainer/run/optim.py param_groups): the first decays.
+        # Groups say whether they decay (trainer/run/optim.py); a checkpoint saved before they did was built as
+        # [decayed matrices, the rest]: the first decays.
         if "weight_decay" in group:
-            group["weight_decay"] = o.weight_decay if i == 0 else 0.0
-        if "betas" in group:
-            group["betas"] = tuple(o.betas)
-        if "eps" in group:
-            group["eps"] = o.eps
-        if "momentum" in group:
-            group["momentum"] = o.momentum
-            group["nesterov"] = o.nesterov
+            group["weight_decay"] = o.weight_decay if group.get("decays", i == 0) else 0.0
+        group.update(configured_values(group, o))
         group["initial_lr"] = o.lr
 
 

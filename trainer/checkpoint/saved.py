@@ -18,12 +18,23 @@ class SavedCheckpoint:
 def groups_by_name(saved: list, mine: list) -> list:
     """The saved optimizer param groups' hyper-parameters under this rank's parameter names (`mine`). Rank 0 wrote
     the groups with its own names; where ranks hold different parameters (pipeline stages) a group is matched by a
-    shared name, else by its weight decay (the only hyper-parameter that tells Tessera's groups apart)."""
+    shared name, else as a group of the same optimizer (the same hyper-parameter keys: Muon's or its AdamW's) that
+    decays as it does (older checkpoints: the same weight decay)."""
     out = []
     for group in mine:
         names = set(group["params"])
         match = next((g for g in saved if names & set(g["params"])), None)
         if match is None:
-            match = next((g for g in saved if g.get("weight_decay") == group.get("weight_decay")), group)
+            match = next((g for g in saved if _keys(g) == _keys(group) and _same_decay(g, group)), group)
         out.append(dict(match, params=list(group["params"])))
     return out
+
+
+def _keys(group: dict) -> set:
+    return set(group) - {"decays"}
+
+
+def _same_decay(saved: dict, mine: dict) -> bool:
+    if "decays" in saved and "decays" in mine:
+        return saved["decays"] == mine["decays"]
+    return saved.get("weight_decay") == mine.get("weight_decay")

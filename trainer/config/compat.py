@@ -17,7 +17,6 @@ from trainer.config.schema import ZERO_PLUS_PLUS_OFF
 from trainer.parallel import replica_groups
 from trainer.parallel.dims import select_device
 from trainer.parallel.sync import sync_problems
-from trainer.run.optim import implementation_problems
 
 DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")
 FSDP_OPTIONS = (("cpu_offload", False), ("param_dtype", None), ("reduce_dtype", None))
@@ -30,7 +29,6 @@ def strategy_problems(cls, cfg, world_size: int) -> List[str]:
     plain = cls.capabilities_for(without_model_parallel(cfg))
     problems += sync_problems(cfg, caps.periodic_sync, plain.periodic_sync)
     problems += fault_tolerance_problems(cfg, cls.capabilities.fault_tolerance, caps.fault_tolerance)
-    problems += implementation_problems(cfg, caps.dtensor_parameters)
     problems += step_problems(cfg, caps)
     return problems + cls.layout_problems(cfg, world_size)
 

@@ -217,13 +217,15 @@ class SyncConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = documented("adamw", "Optimizer: adamw or sgd.")
+    name: str = documented("adamw", "Optimizer: adamw, sgd, adafactor, muon (Muon for hidden matrices, AdamW for the "
+                                    "rest) or adamw_8bit (bitsandbytes' 8-bit states).")
     lr: float = documented(1e-3, "Peak learning rate.")
     weight_decay: float = documented(0.1, "Weight decay, applied to matrices only.")
-    betas: List[float] = documented([0.9, 0.95], "AdamW: the two moment decay rates.")
-    eps: float = documented(1e-8, "AdamW: added to the denominator.")
-    momentum: float = documented(0.9, "SGD: momentum.")
-    nesterov: bool = documented(False, "SGD: Nesterov momentum.")
+    betas: List[float] = documented([0.9, 0.95], "AdamW (also Muon's AdamW part, adamw_8bit): the two moment decay "
+                                                 "rates.")
+    eps: float = documented(1e-8, "AdamW (also Muon's AdamW part, adamw_8bit): added to the denominator.")
+    momentum: float = documented(0.9, "SGD and Muon: momentum.")
+    nesterov: bool = documented(False, "SGD and Muon: Nesterov momentum.")
     implementation: str = documented("auto", "Kernel: auto (torch's fused one wherever every parameter allows "
                                              "it), fused, foreach or for_loop.")
 
@@ -423,7 +425,7 @@ CHOICES = {
     "model.kind": ("llama", "gpt2", "hf"),
     "data.kind": ("embedded", "text", "hub", "sft", "preference", "mixture", "tokens"),
     "data.packing": ("eos", "documents"),
-    "optim.name": ("adamw", "sgd"),
+    "optim.name": ("adamw", "sgd", "adafactor", "muon", "adamw_8bit"),
     "optim.implementation": ("auto", "fused", "foreach", "for_loop"),
     "scheduler.name": ("constant", "linear", "cosine"),
     "precision.name": ("fp32", "bf16", "fp16"),

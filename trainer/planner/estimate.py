@@ -44,6 +44,7 @@ from trainer.parallel.pipeline import SCHEDULES, stage_indices, stages_per_rank
 from trainer.planner.model_states import MODEL_STATES
 from trainer.run import build as B
 from trainer.run.cli import debug_traceback, sanitize_argv
+from trainer.run.optim import OPTIMIZERS, state_bytes
 from trainer.run.precision import element_bytes
 from trainer.strategies import STRATEGIES, strategy_class
 
@@ -63,6 +64,7 @@ class Counts:
     largest_block: int = 0
     largest_param: int = 0
     block_experts: int = 0  # mixture-of-experts experts in the largest block (what strategy.ep splits)
+    optimizer_state: Dict[str, int] = field(default_factory=dict)  # optim.name -> bytes of state for the whole model
 
 
 def count_parameters(model, tp: int = 1) -> Counts:
@@ -88,9 +90,12 @@ def count_parameters(model, tp: int = 1) -> Counts:
     other = total - sum(block_counts) - first - last
     experts = [sum(p.numel() for _, m in expert_modules(b) for p in m.parameters()) for _, b in blocks]
     largest = max(range(len(blocks)), key=lambda i: block_counts[i], default=None)
+    embeddings = registry.embedding_parameter_names(model)
+    state = {name: sum(state_bytes(name, tuple(p.shape), n in embeddings) for n, p in params.items())
+             for name in OPTIMIZERS}
     return Counts(total, block_counts, first, last, other, tp_split, max(block_counts, default=0),
                   max((p.numel() for p in params.values()), default=0),
-                  experts[largest] if largest is not None else 0)
+                  experts[largest] if largest is not None else 0, state)
 
 
 @dataclass

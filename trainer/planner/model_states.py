@@ -12,11 +12,15 @@ from trainer.strategies.single import SingleStrategy
 from trainer.strategies.torch_native import TorchNativeStrategy
 
 
-def optimizer_bytes_per_param(cfg) -> int:
-    """fp32 optimizer-state bytes per parameter."""
+def optimizer_bytes_per_param(cfg, counts) -> float:
+    """Optimizer-state bytes per parameter: AdamW's two fp32 moments, SGD's momentum; Adafactor's row and column
+    means, Muon's momentum (AdamW's moments for the embeddings, head and vectors) and 8-bit AdamW's quantized moments
+    as trainer/run/optim.state_bytes counts them over the model's tensors (ZeRO's flat partitions: about the same)."""
     if cfg.optim.name == "adamw":
         return 8  # exp_avg + exp_avg_sq, fp32
-    return 4 if cfg.optim.momentum else 0
+    if cfg.optim.name == "sgd":
+        return 4 if cfg.optim.momentum else 0
+    return counts.optimizer_state[cfg.optim.name] / max(counts.total, 1)
 
 
 def is_pretrained(cfg) -> bool:
@@ -27,7 +31,7 @@ def is_pretrained(cfg) -> bool:
 def replica_states(est, cfg, dims, counts, rank_params: float) -> None:
     """A whole fp32 replica per rank with its gradients and optimizer state (single, ddp)."""
     psi = counts.total
-    est.params, est.grads, est.optimizer = 4 * psi, 4 * psi, optimizer_bytes_per_param(cfg) * psi
+    est.params, est.grads, est.optimizer = 4 * psi, 4 * psi, optimizer_bytes_per_param(cfg, counts) * psi
     est.host_load = 4 * psi * (2 if is_pretrained(cfg) else 1)
 
 
@@ -51,7 +55,7 @@ def zero_states(est, cfg, dims, counts, rank_params: float) -> None:
     part = psi / n
     est.params = half * (psi if stage < 3 else part)
     est.master_params = 4 * part
-    est.optimizer = optimizer_bytes_per_param(cfg) * part
+    est.optimizer = optimizer_bytes_per_param(cfg, counts) * part
     est.grads = 4 * part + (half * part if stage == 3 else 0)
     est.buffers = half * min(float(s.reduce_bucket_size), psi)
     # ZeRO-1/2: the bit16 gradient partition; ZeRO-3: a gathered parameter (transient, like FSDP's blocks)
@@ -78,7 +82,7 @@ def native_states(est, cfg, dims, counts, rank_params: float) -> None:
     gathered_dtype = element_bytes(s.param_dtype or cfg.precision.name)
     est.params = 4 * rank_params / shard
     est.grads = 4 * rank_params / shard
-    est.optimizer = optimizer_bytes_per_param(cfg) * rank_params / shard
+    est.optimizer = optimizer_bytes_per_param(cfg, counts) * rank_params / shard
     # a block gathers its tensor-parallel part and, of its experts (whole under tp), this rank's 1/ep
     block = (counts.largest_block - counts.block_experts) / max(dims.tp, 1) + counts.block_experts / dims.ep
     if dims.dp_size > 1 or dims.cp > 1:

@@ -40,7 +40,7 @@ from trainer.observe.metrics import MetricsLogger
 from trainer.observe.model_states import built_parameter_bytes
 from trainer.observe.trackers import config_problems as tracker_problems, open_trackers
 from trainer.run.agreement import check_agreement
-from trainer.run.optim import build_optimizer, build_scheduler
+from trainer.run.optim import build_optimizer, build_scheduler, optimizer_problems
 from trainer.data.preference import holds_pairs, pair_problems
 from trainer.objectives.objective import LanguageModeling, build_objective, objective_problems
 from trainer.objectives.reference import LiveReference, add_reference_identity, attach_reference, live_reference
@@ -89,6 +89,8 @@ def check(cfg: C.TesseraConfig, world_size: int):
     else:
         dims = parallel.ParallelDims.from_config(cfg.strategy, world_size)
         problems += C.batch_problems(cfg, dims.dp_size)
+        if cls is not None:
+            problems += optimizer_problems(cfg, cls.optimizer_parameters(cfg, dims))
     tokenizer = info = None
     if not any(p.startswith("model.") for p in problems):  # the model can only be described when sane
         try:
@@ -273,7 +275,8 @@ def _build_model(p: Prepared, device, rank: int):
         values = adapters.initial_values(cfg.train.seed, cfg.peft.adapter)
         initial = adapters.pretrained(initial, values) if is_checkpoint(initial) else \
             adapters.initial_units(initial, values)
-    strategy.setup(model, lambda named: build_optimizer(cfg, named), initial)
+    embeddings = registry.embedding_parameter_names(model)  # Muon leaves them to AdamW
+    strategy.setup(model, lambda named: build_optimizer(cfg, named, embeddings), initial)
     if live_reference(cfg) is not None:
         strategy.objective.use_reference(LiveReference(_reference_forward(p, strategy, device)))
     scheduler = build_scheduler(cfg, strategy.optimizer)

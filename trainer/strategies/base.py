@@ -24,7 +24,7 @@ from trainer.parallel.blocks import apply_activation_checkpointing, apply_compil
 from trainer.parallel.context_parallel import sharded_or_whole, total_over
 from trainer.parallel.grad_norm import clip_to_norm, grad_square_sum
 from trainer.run.loss import TaskLosses, micro_batch_losses, to_device, token_loss_sum
-from trainer.strategies.capabilities import Capabilities
+from trainer.strategies.capabilities import TENSORS, Capabilities
 
 
 class Strategy:
@@ -57,6 +57,11 @@ class Strategy:
     def layout_problems(cls, cfg, world_size: int) -> List[str]:
         """This strategy's own checks of its options and layout, beyond the capabilities."""
         return []
+
+    @classmethod
+    def optimizer_parameters(cls, cfg, dims) -> str:
+        """What the optimizer steps in this layout (capabilities.TENSORS, DTENSORS or FLAT_PARTITIONS)."""
+        return TENSORS
 
     @classmethod
     def model_problems(cls, cfg, info, dims) -> List[str]:

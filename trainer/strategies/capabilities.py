@@ -7,6 +7,11 @@ from dataclasses import dataclass
 from typing import FrozenSet
 
 
+# What a layout hands its optimizer (Strategy.optimizer_parameters): whole tensors, DTensors (FSDP or tensor
+# parallelism), or ZeRO's flat 1-D fp32 partitions of all parameters. trainer/run/optim.py checks optim.name against it.
+TENSORS, DTENSORS, FLAT_PARTITIONS = "tensors", "dtensors", "flat partitions"
+
+
 @dataclass(frozen=True)
 class Capabilities:
     launcher: str = "torchrun"  # how launch.sh starts it: python (one process), torchrun or deepspeed
@@ -18,7 +23,6 @@ class Capabilities:
     compile: bool = True  # train.compile
     fsdp_options: bool = False  # strategy.cpu_offload / param_dtype / reduce_dtype
     zero_options: bool = False  # strategy.zero_quantized_* / zero_hpz_partition_size (ZeRO++)
-    dtensor_parameters: bool = False  # parameters are DTensors (optimizer kernels differ)
     checkpoint_format: str = "dcp"  # checkpoints of one format are only read by strategies of the same
     fault_tolerance: FrozenSet[str] = frozenset()  # strategy.fault_tolerance values besides none
     comm_hooks: FrozenSet[str] = frozenset()  # strategy.comm_hook values besides none

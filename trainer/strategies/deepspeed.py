@@ -37,7 +37,7 @@ from trainer.launch import ds_ops
 from trainer.run.loss import micro_batch_losses, to_device
 from trainer.run.precision import Precision
 from trainer.strategies.base import Strategy
-from trainer.strategies.capabilities import Capabilities
+from trainer.strategies.capabilities import FLAT_PARTITIONS, Capabilities
 
 STAGES = {"zero1": 1, "zero2": 2, "zero3": 3, "zero3_offload": 3}
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
@@ -320,6 +320,11 @@ class DeepSpeedStrategy(Strategy):
         # DeepSpeed runs bf16/fp16 itself (half weights, fp32 master copy, its loss scaler): no autocast on top.
         super().__init__(cfg, dims, device, Precision(SimpleNamespace(precision=SimpleNamespace(name="fp32")), device))
         ds_ops.ensure_ready(cfg)  # stale build lock: exit 2; a build says so
+
+    @classmethod
+    def optimizer_parameters(cls, cfg, dims) -> str:
+        """ZeRO (every stage) hands the client optimizer flat 1-D fp32 partitions of all parameters."""
+        return FLAT_PARTITIONS
 
     @classmethod
     def capabilities_for(cls, cfg) -> Capabilities:

@@ -55,7 +55,7 @@ from trainer.parallel.sync import Worker
 from trainer.parallel.tensor_parallel import apply_tp, count_functional_collectives, grads_in_param_layout
 from trainer.run.loss import to_device
 from trainer.strategies.base import Strategy
-from trainer.strategies.capabilities import Capabilities
+from trainer.strategies.capabilities import DTENSORS, TENSORS, Capabilities
 
 # Strategies that shard with FSDP even over one data-parallel rank.
 _ALWAYS_FSDP = ("fsdp", "hsdp")
@@ -69,7 +69,7 @@ class TorchNativeStrategy(Strategy):
     # Pretrained weights come to load_initial_weights, each rank reading only its part.
     capabilities = Capabilities(degrees=frozenset({"dp_replicate", "dp_shard", "tp", "pp", "cp", "ep"}),
                                 fsdp_options=True,
-                                dtensor_parameters=True, loads_pretrained_weights=True,
+                                loads_pretrained_weights=True,
                                 fault_tolerance=frozenset({"torchft"}))
 
     @classmethod
@@ -113,6 +113,11 @@ class TorchNativeStrategy(Strategy):
     def fsdp_applies(cls, name: str, dims) -> bool:
         """FSDP shards over the data-parallel and the context ranks (which then sum their gradients)."""
         return name in _ALWAYS_FSDP or dims.dp_size > 1 or dims.cp_enabled
+
+    @classmethod
+    def optimizer_parameters(cls, cfg, dims) -> str:
+        """DTensors where FSDP or tensor parallelism applies; a pipeline stage alone keeps plain tensors."""
+        return DTENSORS if cls.fsdp_applies(cfg.strategy.name, dims) or dims.tp_enabled else TENSORS
 
     @classmethod
     def model_problems(cls, cfg, info, dims) -> List[str]:

@@ -34,6 +34,37 @@ def test_torch_still_has_no_fused_sgd_for_dtensors_but_fused_adamw(one_rank_grou
     assert DTENSOR_FUSED == {"adamw"}
 
 
+def _sharded_params(n=2):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(distribute_tensor(torch.randn(8, 6), mesh, [Shard(0)])) for _ in range(n)]
+    for p in params:
+        p.grad = distribute_tensor(torch.randn(8, 6), mesh, [Shard(0)])
+    return params
+
+
+def test_torch_adafactor_and_bitsandbytes_still_cannot_step_dtensors_and_muon_can(one_rank_group):
+    """The refusals of trainer/run/optim.py STEPPING follow the libraries: if one of the first two starts passing,
+    its optimizer can run on FSDP / tensor-parallel layouts and the refusal should go."""
+    import bitsandbytes
+
+    with pytest.raises(RuntimeError, match="aten.pow_"):
+        torch.optim.Adafactor(_sharded_params(), lr=0.01).step()
+    with pytest.raises(NotImplementedError, match="bitsandbytes.*sharding strategy"):
+        bitsandbytes.optim.AdamW8bit(_sharded_params(), lr=0.01).step()
+    params = _sharded_params()
+    whole = [torch.nn.Parameter(p.full_tensor().clone()) for p in params]
+    for p, w in zip(params, whole):
+        w.grad = p.grad.full_tensor().clone()
+    torch.optim.Muon(params, lr=0.01).step()
+    torch.optim.Muon(whole, lr=0.01).step()
+    for p, w in zip(params, whole):
+        torch.testing.assert_close(p.full_tensor(), w.detach())
+
+
 @pytest.mark.parametrize("name,expected", [("sgd", {"foreach": True}), ("adamw", {"fused": True})])
 def test_auto_picks_the_kernel_per_parameter_type(one_rank_group, name, expected):
     """auto: fused wherever the kernel takes the parameters; DTensor SGD steps with foreach, and trains."""
