@@ -46,8 +46,8 @@ def meta_model(hf_config) -> nn.Module:
 
     model_class = causal_lm_class(hf_config)
     with torch.device("meta"):
-        if model_class is None:  # remote code: only from_config knows the class
-            return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+        if model_class is None:  # remote code (its config was only read with model.trust_remote_code=true)
+            return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, trust_remote_code=True)
         return model_class(hf_config).float()
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -115,6 +116,37 @@ def pretrained_overrides(source) -> list:
             "train.log_every=1", "train.global_batch_size=8", "train.micro_batch_size=2", "eval.every=0",
             "eval.at_start=true", "eval.max_sequences=16", "eval.at_end=false", "export.hf_at_end=false",
             "checkpoint.at_end=false", "logging.memory_report=true"]
+
+
+REMOTE_CONFIG = """from transformers import LlamaConfig
+
+
+class ToyConfig(LlamaConfig):
+    model_type = "toy_llama"
+"""
+REMOTE_MODELING = """from transformers import LlamaForCausalLM
+
+from .configuration_toy import ToyConfig
+
+
+class ToyForCausalLM(LlamaForCausalLM):
+    config_class = ToyConfig
+"""
+
+
+def remote_code_copy(model_folder, dest) -> Path:
+    """`model_folder` as a remote-code model: the same weights under classes of its own (configuration_toy.py,
+    modeling_toy.py, Llama subclasses named by config.json's auto_map), which only trust_remote_code loads."""
+    dest = Path(dest)
+    shutil.copytree(model_folder, dest)
+    (dest / "configuration_toy.py").write_text(REMOTE_CONFIG)
+    (dest / "modeling_toy.py").write_text(REMOTE_MODELING)
+    config = json.loads((dest / "config.json").read_text())
+    config.update(model_type="toy_llama", architectures=["ToyForCausalLM"],
+                  auto_map={"AutoConfig": "configuration_toy.ToyConfig",
+                            "AutoModelForCausalLM": "modeling_toy.ToyForCausalLM"})
+    (dest / "config.json").write_text(json.dumps(config, indent=1))
+    return dest
 
 
 @pytest.fixture(scope="session")

@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from tests.integration.conftest import (
-    FP32_TOL, SMALL, check_export, check_generation_config, check_parity, check_pretrained_loaded, curve_errors,
-    export_command, launch, metrics, ok, pretrained_overrides)
+    FP32_TOL, SMALL, check_export, check_generation_config, check_parity, check_pretrained_loaded,
+    check_same_export_files, curve_errors, export_command, launch, metrics, ok, pretrained_overrides,
+    remote_code_copy)
 
 # Global batch 8, 10 steps, fp32; nothing written that the test does not read.
 TEN = SMALL + ["train.max_steps=10", "train.log_every=1", "train.global_batch_size=8", "eval.every=0",
@@ -182,6 +184,44 @@ def test_fsdp_loads_pretrained_weights_shard_by_shard(generated_data, pretrained
     for rank, share in zip(memory["ranks"], after):
         assert rank["built_params"] == 0, rank  # every parameter on the meta device at construction
         assert 0.45 < share < 0.55, (rank["rank"], share)  # this rank's shard: half the model
+
+
+def _tensors(folder) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(path))
+    return out
+
+
+def test_a_remote_code_model_trains_sharded_and_its_export_carries_its_code(generated_data, pretrained_reference,
+                                                                            tmp_path):
+    """model.trust_remote_code=true with a model whose classes live in its own folder (auto_map; Llama subclasses
+    over the generated model's weights): fsdp builds it on the meta device and trains the numbers of the same
+    weights on one process, and hf/ carries its modelling files, so it loads with trust_remote_code as its class.
+    The export command of its checkpoint (which keeps the code in hf_config/) writes the same folder. (Before,
+    building the meta model asked for trust_remote_code again and the run ended in a traceback; the streamed export
+    copied only the config's file; the export command ended in a traceback.)"""
+    from transformers import AutoModelForCausalLM
+
+    source = remote_code_copy(generated_data.model, tmp_path / "toy")
+    common = [o if not o.startswith("model.name_or_path=") else f"model.name_or_path={source}"
+              for o in pretrained_overrides(generated_data)] + ["model.trust_remote_code=true"]
+    ok(launch("torchrun", common + ["strategy=fsdp", "export.hf_at_end=true", "checkpoint.at_end=true"],
+              tmp_path / "fsdp", nproc=2))
+    loss_err, norm_err = curve_errors(metrics(tmp_path / "fsdp"), metrics(pretrained_reference))
+    assert loss_err < FP32_TOL and norm_err < FP32_TOL, (loss_err, norm_err)
+    exported = export_command(tmp_path / "fsdp" / "checkpoints" / "step_5", tmp_path / "exported")
+    for hf in (tmp_path / "fsdp" / "hf", exported):
+        assert (hf / "modeling_toy.py").read_text() == (source / "modeling_toy.py").read_text()
+        assert (hf / "configuration_toy.py").is_file()
+        model = AutoModelForCausalLM.from_pretrained(hf, trust_remote_code=True)
+        assert type(model).__name__ == "ToyForCausalLM"
+    check_same_export_files([tmp_path / "fsdp" / "hf", exported], architecture="ToyForCausalLM")
+    tensors = [_tensors(folder) for folder in (tmp_path / "fsdp" / "hf", exported)]
+    assert tensors[0].keys() == tensors[1].keys() and all(torch.equal(tensors[0][k], tensors[1][k])
+                                                          for k in tensors[0])
 
 
 @pytest.mark.parametrize("launcher,strategy", [("torchrun", "fsdp"), ("torchrun", "zero3")])

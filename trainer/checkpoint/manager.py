@@ -39,6 +39,7 @@ from tessera.errors import CheckpointError, CheckpointSaveError, TesseraError, o
 from trainer.run.cli import fault_message
 from trainer.run.state import TrainState
 from trainer.checkpoint.saved import SavedCheckpoint
+from trainer.exporting.hf_folder import copy_remote_code
 
 COMPLETE = "COMPLETE.json"
 KEEP = "KEEP.json"  # a pinned checkpoint (e.g. the last finite one before divergence): never rotated away
@@ -503,6 +504,7 @@ class CheckpointManager:
         OmegaConf.save(OmegaConf.structured(cfg), os.path.join(tmp, "config.yaml"))
         hf_dir = os.path.join(tmp, "hf_config")
         strategy.unwrapped().config.save_pretrained(hf_dir)
+        copy_remote_code(strategy.unwrapped().config, hf_dir)  # remote code: for the export command
         generation = strategy.generation_config
         if generation is not None:  # the export command writes it beside config.json
             generation.save_pretrained(hf_dir)

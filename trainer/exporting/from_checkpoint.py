@@ -47,6 +47,18 @@ def checkpoint_export_dtype(path: str) -> str:
     return dtype
 
 
+def trusts_remote_code(path: str) -> bool:
+    """model.trust_remote_code of the run that saved the checkpoint folder `path` (its config.yaml): a remote-code
+    model's files are then in hf_config/, copied there by the save."""
+    config = os.path.join(path, "config.yaml")
+    if not os.path.isfile(config):
+        return False
+    try:
+        return bool(OmegaConf.select(OmegaConf.load(config), "model.trust_remote_code", default=False))
+    except Exception:  # noqa: BLE001 - a damaged YAML file: checkpoint_export_dtype names it
+        return False
+
+
 def export_checkpoint(checkpoint: str, out_dir: str, dtype: str | None = None,
                       adapter_dir: str | None = None) -> tuple:
     """Write the checkpoint's fp32 master weights, cast to `dtype` (None: the run's export.dtype), as an HF
@@ -64,7 +76,7 @@ def export_checkpoint(checkpoint: str, out_dir: str, dtype: str | None = None,
     if dtype is None:
         dtype = checkpoint_export_dtype(path)
     hf_dir = os.path.join(path, "hf_config")
-    config = AutoConfig.from_pretrained(hf_dir)
+    config = AutoConfig.from_pretrained(hf_dir, trust_remote_code=trusts_remote_code(path))
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     generation = _generation_config(hf_dir, config)
     if meta.get("peft"):
@@ -76,7 +88,8 @@ def export_checkpoint(checkpoint: str, out_dir: str, dtype: str | None = None,
         return path, [out_dir]
     # DCP holds the fp32 master weights: read them into an fp32 model (whatever dtype its config names).
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        # remote code: the checkpoint's own copy (hf_config/), trusted by the run that saved it
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=True)
     model = model.to_empty(device="cpu")
     model.generation_config = generation
     state = {"model": model.state_dict()}

@@ -43,12 +43,26 @@ def write_hf_folder_streaming(config, tokenizer, out_dir: str, named_tensors, wr
         raise_non_finite(shards.non_finite)
     shards.finish()
     exported_config(config).save_pretrained(tmp)
+    copy_remote_code(config, tmp)
     if generation_config is not None:
         generation_config.save_pretrained(tmp)
     if shards.written is not None:
         _stamp_config_dtype(tmp, shards.written)
     tokenizer.save_pretrained(tmp)
     replace_folder(tmp, out_dir)
+
+
+def copy_remote_code(config, folder: str) -> None:
+    """A remote-code model's own modelling files (the module of its class and what it imports relatively) beside
+    config.json, as save_pretrained copies them (config.save_pretrained copies the config's only), so the folder
+    loads with trust_remote_code=True as its source did."""
+    cls = causal_lm_class(config)  # a remote class once built in this process, else None
+    remote = cls is None or not cls.__module__.startswith("transformers.")
+    if not remote or "AutoModelForCausalLM" not in (getattr(config, "auto_map", None) or {}):
+        return
+    from transformers.dynamic_module_utils import custom_object_save  # start-up time, as saved_layout's import
+
+    custom_object_save(meta_model(config), folder)
 
 
 def saved_layout(config, named_tensors):
