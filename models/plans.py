@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from torch import nn
 
@@ -44,6 +44,17 @@ def ties_embeddings(model) -> bool:
     if embed is not None and head is not None and getattr(head, "weight", None) is getattr(embed, "weight", 0):
         return True
     return bool(getattr(text, "tie_word_embeddings", False) and head is not None)
+
+
+def embedding_weight_names(model) -> Tuple[Optional[str], Optional[str]]:
+    """(the input embedding's weight name, the LM head's), None for one the model lacks; where they are tied the
+    head's name is the one named_parameters drops."""
+    names = {id(m): n for n, m in model.named_modules()}
+
+    def weight(module):
+        return f"{names[id(module)]}.weight".lstrip(".") if module is not None and id(module) in names else None
+
+    return weight(model.get_input_embeddings()), weight(model.get_output_embeddings())
 
 
 def is_moe(model) -> bool:

@@ -314,16 +314,6 @@ def pretrained_weights(m, model):
     return PretrainedWeights(m, getattr(model, "base_model_prefix", ""))
 
 
-def embedding_parameter_names(model) -> frozenset:
-    """The names of the input embedding's and the LM head's weights (one name each where they are tied)."""
-    names = {id(m): n for n, m in model.named_modules()}
-    found = set()
-    for module in (model.get_input_embeddings(), model.get_output_embeddings()):
-        if module is not None and id(module) in names:
-            found.add(f"{names[id(module)]}.weight".lstrip("."))
-    return frozenset(found)
-
-
 def count_parameters(model) -> int:
     """All parameters, also when each rank holds only a partition (DeepSpeed's ds_numel is the full size)."""
     return sum(math.prod(full_shape(p)) for p in model.parameters())

@@ -5,6 +5,7 @@ loaded shard by shard."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -219,6 +220,28 @@ def test_a_remote_code_model_trains_sharded_and_its_export_carries_its_code(gene
         model = AutoModelForCausalLM.from_pretrained(hf, trust_remote_code=True)
         assert type(model).__name__ == "ToyForCausalLM"
     check_same_export_files([tmp_path / "fsdp" / "hf", exported], architecture="ToyForCausalLM")
+    tensors = [_tensors(folder) for folder in (tmp_path / "fsdp" / "hf", exported)]
+    assert tensors[0].keys() == tensors[1].keys() and all(torch.equal(tensors[0][k], tensors[1][k])
+                                                          for k in tensors[0])
+
+
+def test_a_native_model_whose_config_names_remote_code_exports_as_native(generated_data, tmp_path):
+    """A config that still names remote code (auto_map, as some hub configs of architectures transformers now has
+    natively) while the run leaves model.trust_remote_code off: fsdp trains the native class, and the export command
+    of its checkpoint builds the native class too (it does not look for the absent modelling file), holding hf/'s
+    tensors."""
+    source = tmp_path / "stale"
+    shutil.copytree(generated_data.model, source)
+    config = json.loads((source / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "configuration_old.OldConfig",
+                          "AutoModelForCausalLM": "modeling_old.OldForCausalLM"}
+    (source / "config.json").write_text(json.dumps(config))
+    common = [o if not o.startswith("model.name_or_path=") else f"model.name_or_path={source}"
+              for o in pretrained_overrides(generated_data)]
+    ok(launch("torchrun", common + ["strategy=fsdp", "export.hf_at_end=true", "checkpoint.at_end=true"],
+              tmp_path / "fsdp", nproc=2))
+    exported = export_command(tmp_path / "fsdp" / "checkpoints" / "step_5", tmp_path / "exported")
+    assert not list(exported.glob("*.py"))
     tensors = [_tensors(folder) for folder in (tmp_path / "fsdp" / "hf", exported)]
     assert tensors[0].keys() == tensors[1].keys() and all(torch.equal(tensors[0][k], tensors[1][k])
                                                           for k in tensors[0])

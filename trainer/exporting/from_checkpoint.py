@@ -33,30 +33,31 @@ from trainer.run.precision import DTYPES as PRECISION_DTYPES
 DTYPES = tuple(PRECISION_DTYPES)  # the names export.dtype takes
 
 
-def checkpoint_export_dtype(path: str) -> str:
-    """export.dtype of the run that saved the checkpoint folder `path` (its config.yaml); fp32 if it has none."""
+def _run_value(path: str, key: str, default, hint: str = ""):
+    """`key` of the config of the run that saved the checkpoint folder `path` (its config.yaml); `default` if it has
+    none. A file that cannot be read is a CheckpointError (`hint`: what to do instead)."""
     config = os.path.join(path, "config.yaml")
     if not os.path.isfile(config):
-        return "fp32"
+        return default
     try:
-        dtype = OmegaConf.select(OmegaConf.load(config), "export.dtype", default="fp32")
+        return OmegaConf.select(OmegaConf.load(config), key, default=default)
     except Exception as e:  # noqa: BLE001 - a damaged YAML file
-        raise CheckpointError(f"{config}: cannot read it ({one_line(e)}); pass --dtype") from None
+        raise CheckpointError(f"{config}: cannot read it ({one_line(e)}){hint}") from None
+
+
+def checkpoint_export_dtype(path: str) -> str:
+    """export.dtype of the run that saved the checkpoint folder `path` (its config.yaml); fp32 if it has none."""
+    dtype = _run_value(path, "export.dtype", "fp32", hint="; pass --dtype")
     if dtype not in DTYPES:
-        raise CheckpointError(f"{config}: export.dtype={dtype!r} is not one of {', '.join(DTYPES)}; pass --dtype")
+        raise CheckpointError(f"{os.path.join(path, 'config.yaml')}: export.dtype={dtype!r} is not one of "
+                              f"{', '.join(DTYPES)}; pass --dtype")
     return dtype
 
 
 def trusts_remote_code(path: str) -> bool:
-    """model.trust_remote_code of the run that saved the checkpoint folder `path` (its config.yaml): a remote-code
-    model's files are then in hf_config/, copied there by the save."""
-    config = os.path.join(path, "config.yaml")
-    if not os.path.isfile(config):
-        return False
-    try:
-        return bool(OmegaConf.select(OmegaConf.load(config), "model.trust_remote_code", default=False))
-    except Exception:  # noqa: BLE001 - a damaged YAML file: checkpoint_export_dtype names it
-        return False
+    """model.trust_remote_code of the run that saved the checkpoint folder `path`: a remote-code model's files are
+    then in hf_config/, copied there by the save."""
+    return bool(_run_value(path, "model.trust_remote_code", False))
 
 
 def export_checkpoint(checkpoint: str, out_dir: str, dtype: str | None = None,
@@ -76,7 +77,8 @@ def export_checkpoint(checkpoint: str, out_dir: str, dtype: str | None = None,
     if dtype is None:
         dtype = checkpoint_export_dtype(path)
     hf_dir = os.path.join(path, "hf_config")
-    config = AutoConfig.from_pretrained(hf_dir, trust_remote_code=trusts_remote_code(path))
+    trusted = trusts_remote_code(path)
+    config = AutoConfig.from_pretrained(hf_dir, trust_remote_code=trusted)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     generation = _generation_config(hf_dir, config)
     if meta.get("peft"):
@@ -88,8 +90,9 @@ def export_checkpoint(checkpoint: str, out_dir: str, dtype: str | None = None,
         return path, [out_dir]
     # DCP holds the fp32 master weights: read them into an fp32 model (whatever dtype its config names).
     with torch.device("meta"):
-        # remote code: the checkpoint's own copy (hf_config/), trusted by the run that saved it
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=True)
+        # remote code: the checkpoint's own copy (hf_config/), as the run trusted it; a native class whose config
+        # still names remote code (auto_map) stays native unless the run trusted the code
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trusted)
     model = model.to_empty(device="cpu")
     model.generation_config = generation
     state = {"model": model.state_dict()}

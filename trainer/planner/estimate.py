@@ -90,7 +90,7 @@ def count_parameters(model, tp: int = 1) -> Counts:
     other = total - sum(block_counts) - first - last
     experts = [sum(p.numel() for _, m in expert_modules(b) for p in m.parameters()) for _, b in blocks]
     largest = max(range(len(blocks)), key=lambda i: block_counts[i], default=None)
-    embeddings = registry.embedding_parameter_names(model)
+    embeddings = plans.embedding_weight_names(model)
     state = {name: sum(state_bytes(name, tuple(p.shape), n in embeddings) for n, p in params.items())
              for name in OPTIMIZERS}
     return Counts(total, block_counts, first, last, other, tp_split, max(block_counts, default=0),

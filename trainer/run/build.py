@@ -19,7 +19,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from models.weights import is_checkpoint
-from models import lora, registry
+from models import lora, plans, registry
 from models.init import initial_weights
 from trainer.checkpoint import manager as ckpt
 from trainer.checkpoint import resume_plan, resume_policy
@@ -275,7 +275,7 @@ def _build_model(p: Prepared, device, rank: int):
         values = adapters.initial_values(cfg.train.seed, cfg.peft.adapter)
         initial = adapters.pretrained(initial, values) if is_checkpoint(initial) else \
             adapters.initial_units(initial, values)
-    embeddings = registry.embedding_parameter_names(model)  # Muon leaves them to AdamW
+    embeddings = plans.embedding_weight_names(model)  # Muon leaves them to AdamW
     strategy.setup(model, lambda named: build_optimizer(cfg, named, embeddings), initial)
     if live_reference(cfg) is not None:
         strategy.objective.use_reference(LiveReference(_reference_forward(p, strategy, device)))

@@ -14,7 +14,8 @@ from tessera.errors import ConfigError
 from trainer.run.muon import build_muon
 from trainer.strategies.capabilities import DTENSORS, FLAT_PARTITIONS
 
-KERNELS = ("fused", "foreach", "for_loop")
+IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop")
+KERNELS = IMPLEMENTATIONS[1:]  # what an explicit optim.implementation names
 
 
 @dataclass(frozen=True)
@@ -97,9 +98,6 @@ def configured_values(group: dict, o) -> dict:
     return {}
 
 
-IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop")
-
-
 # Optimizers whose fused kernel DTensor parameters (FSDP2, tensor and pipeline layouts) take: torch registers
 # sharding rules for aten._fused_adam(w)_ but not for aten._fused_sgd_ (tests/unit/run/test_optim.py checks both).
 DTENSOR_FUSED = frozenset({"adamw"})
@@ -149,17 +147,18 @@ def implementation_kwargs(implementation: str, params, optimizer: str = "adamw")
     return {}
 
 
-def build_optimizer(cfg, named_params, embeddings=frozenset()) -> torch.optim.Optimizer:
+def build_optimizer(cfg, named_params, embeddings=()) -> torch.optim.Optimizer:
     """The optimizer of the trainable parameters among `named_params`; `embeddings`: the names of the input
-    embedding and LM head weights (Muon leaves them to AdamW)."""
+    embedding and LM head weights (models.plans.embedding_weight_names; Muon leaves them to AdamW)."""
     o = cfg.optim
     if o.name not in STEPPING:
         raise ValueError(f"optim.name={o.name!r}")
     named = [(n, p) for n, p in named_params if p.requires_grad]
     if o.name == "muon":
-        adamw = [(n, p) for n, p in named if not _muon_matrix(n, p, embeddings)]
-        matrices = [p for n, p in named if _muon_matrix(n, p, embeddings)]
-        return build_muon(o, matrices, param_groups(adamw, o.weight_decay),
+        matrices, adamw = [], []
+        for n, p in named:
+            (matrices if _muon_matrix(n, p, embeddings) else adamw).append((n, p))
+        return build_muon(o, [p for _, p in matrices], param_groups(adamw, o.weight_decay),
                           implementation_kwargs(o.implementation, [p for _, p in adamw], "adamw"))
     groups = param_groups(named, o.weight_decay)
     kernel = implementation_kwargs(o.implementation, [p for g in groups for p in g["params"]], o.name)
@@ -188,8 +187,8 @@ def state_bytes(name: str, shape, embedding: bool = False, momentum: float = 0.9
     """Bytes of optimizer state `name` keeps for one parameter of `shape` (the planner's figure; the memory report
     measures the same tensors)."""
     n = math.prod(shape)
-    if name == "muon":
-        return 4 * n if len(shape) == 2 and not embedding else 8 * n + 4
+    if name == "muon":  # momentum for the matrices it steps, AdamW's state for the rest
+        return 4 * n if len(shape) == 2 and not embedding else state_bytes("adamw", shape)
     if name == "adamw":
         return 8 * n + 4  # exp_avg, exp_avg_sq, step
     if name == "sgd":

@@ -296,9 +296,7 @@ class TorchNativeStrategy(Strategy):
         # stay equal; the norm counts the weight once.
         self.tied = None
         if d.pp_enabled and plans.ties_embeddings(model):
-            names = {id(m): n for n, m in model.named_modules()}
-            self.tied = (names[id(model.get_input_embeddings())] + ".weight",
-                         names[id(model.get_output_embeddings())] + ".weight")
+            self.tied = plans.embedding_weight_names(model)
         v_shape = SCHEDULES[s.pp_schedule][1] == "v"
         per_rank = stages_per_rank(s) if d.pp_enabled else 1
         self.num_stages = d.pp * per_rank

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from models import registry
+from models import plans, registry
 from models.tokenizer import embedded_tokenizer
 from tests.conftest import compose_config
 from trainer.checkpoint import resume_policy
@@ -32,7 +32,7 @@ def _model():
 
 def _optimizer(name: str, model, **optim):
     cfg = compose_config([f"optim={name}", *(f"optim.{k}={v}" for k, v in optim.items())])
-    return cfg, build_optimizer(cfg, model.named_parameters(), registry.embedding_parameter_names(model))
+    return cfg, build_optimizer(cfg, model.named_parameters(), plans.embedding_weight_names(model))
 
 
 def _batches(n: int):
@@ -68,7 +68,7 @@ def test_each_optimizer_trains_and_holds_the_state_bytes_the_planner_counts(name
     batches = _batches(1) * 8  # one batch again and again: every optimizer must fit it
     losses = _train(model, opt, batches)
     assert losses[-1] < losses[0] - 0.3, losses
-    embeddings = registry.embedding_parameter_names(model)
+    embeddings = plans.embedding_weight_names(model)
     counted = sum(state_bytes(name, tuple(p.shape), n in embeddings, cfg.optim.momentum)
                   for n, p in model.named_parameters())
     shared_maps = 2 * 256 * 4 if name == "adamw_8bit" else 0  # bitsandbytes' quantization maps, once
