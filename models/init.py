@@ -39,6 +39,17 @@ def decoder_blocks(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     return [(prefix + child_name, child) for child_name, child in best[1].named_children()]
 
 
+def base_model_path(model: nn.Module) -> str:
+    """Where the base model (the module whose forward runs the blocks) sits in the causal LM: its
+    `base_model_prefix` attribute (`model`, `transformer`), or else the module that holds the list of blocks (Llama
+    4's causal LM says `language_model` and holds `model`); "" for a model that is its own base."""
+    prefix = getattr(model, "base_model_prefix", "")
+    if prefix and isinstance(getattr(model, prefix, None), nn.Module):
+        return prefix
+    blocks = decoder_blocks(model)
+    return blocks[0][0].rpartition(".")[0].rpartition(".")[0] if blocks else ""
+
+
 def meta_model(hf_config) -> nn.Module:
     """The causal LM on the meta device (shapes only, no memory, no init). Its class is constructed directly:
     `from_config` would build under DeepSpeed's partitioned init while a ZeRO-3 config is active."""

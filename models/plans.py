@@ -18,13 +18,13 @@ from typing import Dict, List, Optional, Tuple
 
 from torch import nn
 
-from models.init import decoder_blocks
+from models.init import base_model_path, decoder_blocks
 
 # Hugging Face's plan styles that Tessera applies (trainer/parallel/tensor_parallel.py). `moe_tp_experts`:
 # the experts stay whole on every rank (their parameter-level entries, `packed_colwise` and the like, are then
 # not applied); attention and dense MLPs are split.
 SUPPORTED_TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "colwise_rep", "embedding_rowwise",
-                       "rowwise_split_input", "replicated_with_grad_allreduce", "moe_tp_experts")
+                       "rowwise_split_input", "replicated_with_grad_allreduce", "moe_tp_experts", "mla_kv_a_proj")
 
 # Plans for architectures whose config has none; same style names as Hugging Face's.
 _OWN_TP_PLANS = {
@@ -69,7 +69,7 @@ def tp_plan(model, tp: int) -> Optional[Dict[str, str]]:
     base = getattr(config, "base_model_tp_plan", None) or _OWN_TP_PLANS.get(config.model_type)
     if not base:
         return None
-    prefix = getattr(model, "base_model_prefix", "")
+    prefix = base_model_path(model)
     plan = {(f"{prefix}.{k}" if prefix else k): v for k, v in base.items()}
     if is_moe(model) and "moe_tp_experts" not in plan.values():
         # transformers >= 5.25 lists the experts in its expert-parallel plan only: they stay whole here too.
@@ -97,6 +97,24 @@ def tp_plan(model, tp: int) -> Optional[Dict[str, str]]:
     return plan
 
 
+def resolve_plan(part: nn.Module, plan: dict) -> dict:
+    """{module name: style name} for the modules of `part` the plan's patterns match (`*` is a layer index)."""
+    names = [n for n, m in part.named_modules() if n and not isinstance(m, nn.Identity) and m is not None]
+    resolved = {}
+    for pattern, style in plan.items():
+        regex = pattern.replace(".", r"\.").replace("*", r"\d+")
+        for n in names:
+            if re.fullmatch(regex, n):
+                resolved[n] = style
+    return resolved
+
+
+def _splits_blocks(model, plan: dict) -> bool:
+    """Whether the plan splits a module inside the decoder blocks (the experts kept whole do not count)."""
+    blocks = tuple(name + "." for name, _ in decoder_blocks(model))
+    return any(n.startswith(blocks) and st != "moe_tp_experts" for n, st in resolve_plan(model, plan).items())
+
+
 def tp_plan_problems(model, info, tp: int) -> List[str]:
     """Whether `model` can be split `tp` ways: a plan whose styles Tessera applies, heads that divide."""
     problems = []
@@ -108,6 +126,11 @@ def tp_plan_problems(model, info, tp: int) -> List[str]:
         problems.append(f"strategy.tp={tp}: the {model_type} architecture has no tensor-parallel plan (its config "
                         f"has no base_model_tp_plan, and its attention is not laid out for Tessera's own plan); "
                         f"set strategy.tp=1 (fsdp, pp and ZeRO train it)")
+    elif not _splits_blocks(model, plan):
+        named = ", ".join(k for k, v in (getattr(model.config, "base_model_tp_plan", None) or {}).items())
+        problems.append(f"strategy.tp={tp}: the {model_type} tensor-parallel plan splits nothing inside the decoder "
+                        f"blocks (its config's base_model_tp_plan names {named or 'nothing'}): every rank would "
+                        f"hold and compute whole blocks; set strategy.tp=1 (fsdp, pp and ZeRO train it)")
     else:
         unknown = sorted({st for st in plan.values() if st not in SUPPORTED_TP_STYLES})
         if unknown:
@@ -134,9 +157,10 @@ class PipelineSplit:
 def pipeline_split(model) -> Optional[PipelineSplit]:
     """How to cut `model` into pipeline stages, derived from its structure: the ModuleList holding the decoder
     blocks (`models.init.decoder_blocks`), and beside it, in the module that owns that list, the modules with parameters
-    that run before the blocks (the token embedding, additive position embeddings, an input projection) and
-    after them (final norm, output projection); the LM head outside it runs last. Modules without parameters
-    (rotary tables, dropout) stay on every stage. None when the model does not have that shape."""
+    that run before the blocks (the token embedding, additive position embeddings, an input projection, a norm of
+    the embeddings: by type or name) and after them (final norm, output projection); the LM head outside it runs
+    last. Modules without parameters (rotary tables, dropout) stay on every stage. None when the model does not
+    have that shape."""
     blocks = decoder_blocks(model)
     if not blocks:
         return None
@@ -160,8 +184,8 @@ def pipeline_split(model) -> Optional[PipelineSplit]:
         elif isinstance(child, nn.Embedding):  # an additive position embedding: later stages add zeros
             first.append(path)
             zeroed.append(path)
-        elif "proj_in" in child_name or "project_in" in child_name:
-            first.append(path)
+        elif any(k in child_name for k in ("proj_in", "project_in", "emb")):  # an input projection, or a norm of
+            first.append(path)  # the embeddings (Bloom's word_embeddings_layernorm)
         else:
             last.append(path)
     if names.get(id(embed)) not in first:

@@ -147,8 +147,59 @@ def qwen3_moe():
                                     decoder_sparse_step=1, attention_dropout=0.0))
 
 
+def granite():
+    from transformers import GraniteConfig
+
+    # Multipliers in the model's forward, not in modules: embeddings x2 before the first block, residuals,
+    # attention scale, logits x 2 (/ logits_scaling) after the head.
+    return GraniteConfig(**_common(num_key_value_heads=KV_HEADS, embedding_multiplier=2.0, residual_multiplier=0.5,
+                                   attention_multiplier=0.1, logits_scaling=0.5, attention_dropout=0.0))
+
+
+def bloom():
+    from transformers import BloomConfig
+
+    # ALiBi (no position ids), a norm of the embeddings before the first block, fused query_key_value, tied.
+    return BloomConfig(**token_ids(), vocab_size=VOCAB, hidden_size=HIDDEN, n_layer=LAYERS, n_head=HEADS,
+                       hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def llama4():
+    from transformers import Llama4TextConfig
+
+    # Text-only Llama 4: mixture-of-experts every other layer (one routed expert + a shared one), layers without
+    # rope attend in chunks of 16 tokens; its causal LM names `language_model` as its base model but holds `model`.
+    return Llama4TextConfig(**_common(num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                                      intermediate_size_mlp=INTERMEDIATE, num_local_experts=4, num_experts_per_tok=1,
+                                      interleave_moe_layer_step=2, no_rope_layers=[1, 1, 0, 1],
+                                      attention_chunk_size=16, attention_dropout=0.0))
+
+
+def gpt_oss():
+    from transformers import GptOssConfig
+
+    # Attention sinks (one learned logit per head), biases, sliding/full layers, fused 3-D experts.
+    return GptOssConfig(**_common(num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, num_local_experts=4,
+                                  num_experts_per_tok=2, sliding_window=SLIDING_WINDOW, attention_dropout=0.0,
+                                  layer_types=["sliding_attention", "full_attention"] * (LAYERS // 2)))
+
+
+def deepseek_v3():
+    from transformers import DeepseekV3Config
+
+    # Multi-head latent attention (low-rank query and joint key/value projections, a rotary key shared by the
+    # heads), a dense first layer, then routed experts (sigmoid scores, a correction bias) beside a shared expert.
+    return DeepseekV3Config(**_common(num_key_value_heads=HEADS, n_routed_experts=4, num_experts_per_tok=2,
+                                      n_shared_experts=1, moe_intermediate_size=INTERMEDIATE // 4,
+                                      first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+                                      qk_nope_head_dim=8, v_head_dim=HEAD_DIM, n_group=1, topk_group=1,
+                                      attention_dropout=0.0, rope_parameters={"rope_type": "default",
+                                                                              "rope_theta": 10000.0}))
+
+
 ARCHITECTURES = OrderedDict((f.__name__, f) for f in (
-    llama, llama_tied, qwen2, qwen3, mistral, gemma2, gemma3, phi3, gpt2, gpt_neox, opt, olmo2, mixtral, qwen3_moe))
+    llama, llama_tied, qwen2, qwen3, mistral, gemma2, gemma3, phi3, gpt2, gpt_neox, opt, olmo2, mixtral, qwen3_moe,
+    granite, bloom, llama4, gpt_oss, deepseek_v3))
 
 
 def make_config(name: str):
@@ -194,19 +245,27 @@ LAYOUTS = ["single", "ddp", "zero2", "zero3", "fsdp", "tp", "pp", "cp", "ep"]
 # Layouts for mixture-of-experts models only (expert parallelism): they run the architectures alone (no llama
 # variants), and refuse the dense ones.
 MOE_LAYOUTS = ("ep",)
-MOE_ARCHITECTURES = ("mixtral", "qwen3_moe")
+MOE_ARCHITECTURES = ("mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3")
 # Architectures a layout refuses before training, with the words of the message that says why.
 REFUSED = {
     ("gpt2", "tp"): "gpt2 architecture has no tensor-parallel plan",
     ("opt", "tp"): "opt architecture has no tensor-parallel plan",
+    ("bloom", "tp"): "bloom architecture has no tensor-parallel plan",
+    ("gpt_oss", "tp"): "tensor-parallel plan splits nothing inside the decoder blocks",
+    ("bloom", "cp"): "forward takes no position_ids",
     **{(name, "ep"): "needs a mixture-of-experts model whose experts are fused 3-D tensors"
        for name in ARCHITECTURES if name not in MOE_ARCHITECTURES},
+    ("llama4", "ep"): "can't split llama4_text's Llama4TextExperts",
 }
 # Why, in the words of docs/strategies-and-layouts.md.
 REFUSED_WHY = {
     ("gpt2", "tp"): "refused: fused Conv1D q/k/v, no TP plan",
     ("opt", "tp"): "refused: attention reshapes by the full head count, no TP plan",
+    ("bloom", "tp"): "refused: fused query_key_value, no TP plan",
+    ("gpt_oss", "tp"): "refused: its plan splits only the embeddings",
+    ("bloom", "cp"): "refused: ALiBi, no position ids",
     **{(name, "ep"): "refused: dense (no experts)" for name in ARCHITECTURES if name not in MOE_ARCHITECTURES},
+    ("llama4", "ep"): "refused: experts take routed tokens, not (tokens, top-k)",
 }
 # Layouts that run llama in fp16 (loss scaling): the reference and the pipeline, whose loss the schedule scales.
 FP16_LAYOUTS = ("single", "pp")

@@ -86,6 +86,30 @@ def test_tp_ws2_with_accumulation_matches_single_process(reference, tp_run):
     check_parity("tp-ws2 (accumulation 4)", metrics(tp_run), metrics(reference))
 
 
+def test_sequence_parallelism_keeps_the_norms_inside_attention_whole(tmp_path):
+    """strategy.sequence_parallel=true splits the blocks' own norms (on the residual stream) over the sequence; a
+    norm inside attention sees the gathered sequence (DeepSeek's latent-attention norms, OLMo 2's q/k norms) and
+    stays whole. Before, every norm in a block was split, and those inside attention had their gradient summed
+    over the ranks as if each held another part of the sequence: 1.3e-4 off in the gradient norm on this model."""
+    from transformers import AutoModelForCausalLM
+
+    from models.tokenizer import embedded_tokenizer
+    from tests.archs import LAYERS, make_config
+    from tests.integration import arch_worker as W
+
+    config = make_config("deepseek_v3")
+    config.first_k_dense_replace = LAYERS  # dense blocks: sequence parallelism refuses experts
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path / "models" / "mla")
+    embedded_tokenizer().save_pretrained(tmp_path / "models" / "mla")
+    one = W.job_overrides("mla", "single", tmp_path / "models")
+    ok(launch("python", one, tmp_path / "single"))
+    sp = W.job_overrides("mla", "tp", tmp_path / "models") + ["strategy.sequence_parallel=true"]
+    _launch_checked(tmp_path / "sp", sp, 2, "tp", 1)
+    loss_err, norm_err = curve_errors(metrics(tmp_path / "sp"), metrics(tmp_path / "single"))
+    assert loss_err < 1e-6 and norm_err < 1e-5, (loss_err, norm_err)
+
+
 def test_tp_gradients_keep_their_parameters_layout(tp_run):
     """fp32: each rank's gradients take exactly the bytes of its parameter shards. Torch's embedding backward
     returns the vocabulary-split embedding's gradient whole (Replicate); the strategy keeps the local slice."""

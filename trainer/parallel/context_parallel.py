@@ -78,7 +78,14 @@ def _ulysses_problems(text, impl: str, cp: int, tp: int) -> List[str]:
     if impl not in INNER_KERNELS:
         problems.append(f"strategy.cp={cp}: attention implementation {impl!r} cannot be split (ulysses runs "
                         f"around {', '.join(INNER_KERNELS)}); set model.attn_implementation=sdpa")
+    elif impl.startswith("flash") and _chunked(text):
+        problems.append(f"strategy.cp={cp}: the {text.model_type} model's chunked attention layers need a mask, "
+                        f"which {impl} does not take; set model.attn_implementation=sdpa")
     return problems
+
+
+def _chunked(text) -> bool:
+    return "chunked_attention" in (getattr(text, "layer_types", None) or ())
 
 
 def _ring_problems(cfg, text, impl: str, device_type: str) -> List[str]:
@@ -89,9 +96,9 @@ def _ring_problems(cfg, text, impl: str, device_type: str) -> List[str]:
     if cfg.data.packing == "documents":
         problems.append("strategy.cp_impl=ring attends causally over whole sequences: data.packing=documents needs "
                         "strategy.cp_impl=ulysses")
-    if getattr(text, "sliding_window", None) or getattr(text, "attn_logit_softcapping", None):
+    if getattr(text, "sliding_window", None) or getattr(text, "attn_logit_softcapping", None) or _chunked(text):
         problems.append(f"strategy.cp_impl=ring runs plain causal attention; the {text.model_type} model's sliding "
-                        f"window or logit soft-capping needs strategy.cp_impl=ulysses")
+                        f"window, attention chunks or logit soft-capping need strategy.cp_impl=ulysses")
     if impl not in ("sdpa", "flash_attention_2", "flash_attention_3"):
         problems.append(f"strategy.cp_impl=ring replaces SDPA: attention implementation {impl!r} is not one; "
                         f"set model.attn_implementation=sdpa")
@@ -239,13 +246,18 @@ class ContextParallel:
     def _attention(self, module, query, key, value, attention_mask, **kwargs):
         self.calls += 1
         if self.impl == "ring":
+            if kwargs.get("s_aux") is not None:
+                raise ModelError(f"strategy.cp_impl=ring runs plain causal attention; {type(module).__name__} has "
+                                 f"attention sinks: use strategy.cp_impl=ulysses")
             return _ring_attention(query, key, value, kwargs.get("scaling")), None
-        n, g = self.size, self.group
+        n, g, heads = self.size, self.group, query.shape[1]
         q, k, v = (_seq_to_heads(x, g, n)[:, :, self.inverse] for x in (query, key, value))
         if self.inner.startswith("flash") and self.documents is not None:
             kwargs["position_ids"] = self.positions  # the varlen kernel finds the documents from them
-        out, _ = self._inner_function(module)(module, q, k, v, self._mask(q, kwargs.get("sliding_window")),
-                                               **kwargs)
+        inner = self._inner_function(module)
+        module, kwargs = _on_heads(module, kwargs, heads, slice(self.rank * heads // n, (self.rank + 1) * heads // n))
+        mask = self._mask(q, kwargs.get("sliding_window"), chunk_size(module))
+        out, _ = inner(module, q, k, v, mask, **kwargs)
         return _heads_to_seq(out[:, self.order], g, n), None
 
     def _inner_function(self, module):
@@ -259,21 +271,25 @@ class ContextParallel:
             return inner
         return ALL_ATTENTION_FUNCTIONS[self.inner]
 
-    def _mask(self, q: torch.Tensor, window: Optional[int]):
+    def _mask(self, q: torch.Tensor, window: Optional[int], chunk: Optional[int]):
         """The whole sequence's mask in natural order: causal, inside each packed document, within the layer's
-        sliding window; None where the kernel masks causally itself (SDPA without documents or window, flash)."""
-        if self.inner.startswith("flash") or (self.inner == "sdpa" and self.documents is None and not window):
+        sliding window or attention chunk; None where the kernel masks causally itself (SDPA without documents,
+        window or chunk; flash)."""
+        plain = self.documents is None and not window and not chunk
+        if self.inner.startswith("flash") or (self.inner == "sdpa" and plain):
             return None
-        key = (window, q.dtype)
+        key = (window, chunk, q.dtype)
         if key not in self.masks:
-            self.masks[key] = self._build_mask(q, window)
+            self.masks[key] = self._build_mask(q, window, chunk)
         return self.masks[key]
 
-    def _build_mask(self, q: torch.Tensor, window: Optional[int]) -> torch.Tensor:
+    def _build_mask(self, q: torch.Tensor, window: Optional[int], chunk: Optional[int]) -> torch.Tensor:
         idx = torch.arange(q.shape[2], device=q.device)
         allowed = idx[None, :] <= idx[:, None]
         if window:
             allowed = allowed & (idx[:, None] - idx[None, :] < window)
+        if chunk:  # Llama 4's chunked layers: keys of the query's own chunk of the sequence
+            allowed = allowed & (idx[:, None] // chunk == idx[None, :] // chunk)
         allowed = allowed[None, None]
         if self.documents is not None:
             d = self.documents
@@ -282,6 +298,40 @@ class ContextParallel:
             return allowed
         return torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed,
                                                                                       torch.finfo(q.dtype).min)
+
+
+def chunk_size(module) -> Optional[int]:
+    """The attention chunk of the module's layer (Llama 4's `chunked_attention` layers), else None. The blocks
+    keep the whole model's config and their global layer index, also on a pipeline stage."""
+    config, index = getattr(module, "config", None), getattr(module, "layer_idx", None)
+    types = getattr(config, "layer_types", None)
+    if index is None or not types or types[index] != "chunked_attention":
+        return None
+    return getattr(config, "attention_chunk_size", None)
+
+
+class _HeadsView:
+    """An attention module as the kernel sees it on this rank's heads: its per-head parameters (attention sinks)
+    sliced, everything else its own."""
+
+    def __init__(self, module, sliced: dict):
+        self._module, self._sliced = module, sliced
+
+    def __getattr__(self, name):
+        return self._sliced[name] if name in self._sliced else getattr(self._module, name)
+
+
+def _on_heads(module, kwargs: dict, heads: int, mine: slice):
+    """The module and kernel arguments for this rank's `mine` of the `heads` query heads: one value per head
+    (gpt-oss's sinks, also passed as `s_aux`) sliced. Their gradient reaches the whole parameter, and each rank
+    adds its heads' part as the gradients are summed over the context group."""
+    own = {k: p for k, p in module.named_parameters(recurse=False)
+           if k not in ("weight", "bias") and p.dim() >= 1 and p.shape[0] == heads}
+    if not own:
+        return module, kwargs
+    by_id = {id(p): p[mine] for p in own.values()}
+    kwargs = {k: by_id.get(id(v), v) for k, v in kwargs.items()}
+    return _HeadsView(module, {k: by_id[id(p)] for k, p in own.items()}), kwargs
 
 
 def _ring_attention(query, key, value, scaling) -> torch.Tensor:

@@ -3,21 +3,26 @@ and torch's pipeline schedules by name.
 
 A stage is the Hugging Face model itself with the other stages' blocks removed (the ModuleList keeps its
 original indices, so parameter names are the full model's and checkpoints move between layouts), without the
-embeddings (later stages take hidden states as `inputs_embeds`) or the final norm and head (earlier stages
-return hidden states). Per-layer settings that the model's forward looks up by the position of a block in its
-list (attention types: sliding window, alternating global/local) are cut to the stage's own blocks, so each
-block keeps its global layer's setting.
+embeddings or the final norm and head. A later stage runs the model's forward on the hidden states it receives
+(`inputs_embeds`) and its first block takes them as they came: whatever the model does to its embeddings before
+the first block (a multiplier, a norm, added positions) was done on the first stage. An earlier stage returns its
+last block's output: whatever the model does after its blocks is done on the last stage. Per-layer settings that
+the model's forward looks up by the position of a block in its list (attention types: sliding window, alternating
+global/local) are cut to the stage's own blocks, so each block keeps its global layer's setting.
 """
 from __future__ import annotations
 
 import copy
 from contextlib import nullcontext
+from types import SimpleNamespace
 from typing import List
 
 import torch
 from torch import nn
 
+from models.init import base_model_path, decoder_blocks
 from models.packing import PackedForward
+from tessera.errors import ModelError
 
 SCHEDULES = {
     # name: (torch class name, stages per rank: 1, "v" (2, V-shaped) or None (strategy.pp_stages_per_rank))
@@ -61,6 +66,25 @@ class ZeroPositions(nn.Module):
         return torch.zeros(*ref.shape[:2], self.dim, device=ref.device)
 
 
+class Placeholder(nn.Identity):
+    """A module of another stage, passing its input through. The split put it before the blocks ("before": it runs
+    on the first stage) or after them ("after": on the last); if the model calls it on the other side of the
+    blocks, the split took it for the wrong end and the stage would compute another model: an error then."""
+
+    def __init__(self, path: str, side: str):
+        super().__init__()
+        self.path, self.side = path, side
+        self.phase = None  # the stage's: "before", "blocks" or "after" (StageModule)
+
+    def forward(self, *args, **kwargs):
+        if self.phase is not None and self.phase.now not in (self.side, "blocks"):
+            ran = "after" if self.side == "before" else "before"
+            raise ModelError(f"strategy.pp: the model runs {self.path} {ran} its decoder blocks, but the pipeline "
+                             f"split put it {self.side} them: this architecture cannot be cut into stages; set "
+                             f"strategy.pp=1")
+        return args[0] if args else next(iter(kwargs.values()))
+
+
 class StageModule(nn.Module):
     """One pipeline stage: input ids (first stage) or hidden states in, hidden states or logits out. Every stage is
     given the same position ids where there are any (the schedule splits them into micro-batches as the inputs):
@@ -68,7 +92,11 @@ class StageModule(nn.Module):
     (data.packing=documents: each stage's model builds its own mask from them, and its first packed forward
     checks that it kept the documents apart, as one process's does). Packed documents over context ranks: the
     shard's positions and `document_position_ids`, the micro-batch's whole rows, which the context group's
-    attention masks by (`cp.micro_batch`)."""
+    attention masks by (`cp.micro_batch`).
+
+    The stage's ends are its blocks: a later stage's first block takes the received hidden states in place of
+    what the model's forward made of them, an earlier stage hands out its last block's output (hooks outside
+    the blocks' activation checkpointing, so a recomputation does not run them)."""
 
     def __init__(self, lm: nn.Module, first: bool, last: bool, cp=None):
         super().__init__()
@@ -76,21 +104,53 @@ class StageModule(nn.Module):
         self.first, self.last = first, last
         self.packed_forward = PackedForward()
         self.cp = cp
+        blocks = [b for _, b in decoder_blocks(lm)]
+        # The module that runs the blocks (earlier stages stop there: the causal LM would hand out a view of its
+        # hidden states, which the zero-bubble schedules' backward can't detach in place).
+        path = base_model_path(lm)
+        self.body = lm.get_submodule(path) if path else lm
+        self._received = self._handed_out = None
+        self.phase = SimpleNamespace(now="before")  # where the forward is: before, in or after the blocks
+        for module in lm.modules():
+            if isinstance(module, Placeholder):
+                module.phase = self.phase
+        blocks[0].register_forward_pre_hook(self._take_received, with_kwargs=True)
+        blocks[-1].register_forward_hook(self._keep_output)
 
     def forward(self, x, position_ids=None, packed_position_ids=None, document_position_ids=None):
-        # Earlier stages: the base model's hidden states (the causal LM would hand out a view of them, which
-        # the zero-bubble schedules' backward can't detach in place).
-        model = self.lm if self.last else getattr(self.lm, self.lm.base_model_prefix)
+        model = self.lm if self.last else self.body
         inputs = {"input_ids": x} if self.first else {"input_ids": None, "inputs_embeds": x}
-        if packed_position_ids is not None:
-            out = self.packed_forward(model, inputs.pop("input_ids"), packed_position_ids, **inputs)
-        else:
-            if position_ids is not None:
-                inputs["position_ids"] = position_ids
-            documents = nullcontext() if document_position_ids is None else self.cp.micro_batch(document_position_ids)
-            with documents:
-                out = model(**inputs, use_cache=False)
-        return out.logits if self.last else out.last_hidden_state
+        self._received = None if self.first else x
+        self.phase.now = "before"
+        try:
+            if packed_position_ids is not None:
+                out = self.packed_forward(model, inputs.pop("input_ids"), packed_position_ids, **inputs)
+            else:
+                if position_ids is not None:
+                    inputs["position_ids"] = position_ids
+                documents = (nullcontext() if document_position_ids is None
+                             else self.cp.micro_batch(document_position_ids))
+                with documents:
+                    out = model(**inputs, use_cache=False)
+            return out.logits if self.last else self._handed_out
+        finally:
+            self._received = self._handed_out = None
+
+    def _take_received(self, block, args, kwargs):
+        self.phase.now = "blocks"
+        if self.first:
+            return None
+        if args:
+            return (self._received, *args[1:]), kwargs
+        if "hidden_states" not in kwargs:
+            raise ModelError(f"strategy.pp: {type(block).__name__} is called without its hidden states as the first "
+                             f"argument or hidden_states=, so a pipeline stage cannot hand it the previous stage's")
+        return args, dict(kwargs, hidden_states=self._received)
+
+    def _keep_output(self, block, args, output):
+        self.phase.now = "after"
+        if not self.last:
+            self._handed_out = output[0] if isinstance(output, (tuple, list)) else output
 
 
 def set_module(root: nn.Module, path: str, module) -> None:
@@ -107,15 +167,17 @@ def cut_stage(part: nn.Module, split, first: bool, last: bool, layers: range) ->
         if int(k) not in layers:
             delattr(blocks, k)  # Module.__delattr__ keeps the other keys (ModuleList's __delitem__ renumbers)
     _per_layer_settings_of(part, split, kept)
-    if not first:
+    if not first:  # what these modules made is replaced by the received hidden states (StageModule)
+        embed = part.get_input_embeddings()
         for path in split.first:
+            module = part.get_submodule(path)
             if path in split.zeroed_on_later_stages:
-                set_module(part, path, ZeroPositions(part.get_submodule(path).embedding_dim))
-            else:
-                set_module(part, path, None)
+                set_module(part, path, ZeroPositions(module.embedding_dim))
+            else:  # the token embedding is never called (inputs_embeds); a norm or projection passes through
+                set_module(part, path, None if module is embed else Placeholder(path, "before"))
     if not last:
         for path in split.last:
-            set_module(part, path, nn.Identity())
+            set_module(part, path, Placeholder(path, "after"))
 
 
 def _per_layer_settings_of(part: nn.Module, split, kept: List[int]) -> None:

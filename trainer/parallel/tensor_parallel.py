@@ -4,7 +4,7 @@ gives every parameter the plan leaves whole a replicated DTensor (the optimizer'
 can't mix DTensors and plain tensors). Parameters that modules share (tied embeddings) stay shared."""
 from __future__ import annotations
 
-import re
+from typing import Optional
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -14,11 +14,12 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
                                                RowwiseParallel, SequenceParallel, parallelize_module)
 
 from models.init import decoder_blocks, retie, shared_parameters
+from models.plans import resolve_plan
 from tessera.errors import ModelError
 from trainer.observe import comm_bytes
 
 
-def _styles(sequence_parallel: bool) -> dict:
+def _styles(sequence_parallel: bool, rope_dim: Optional[int] = None) -> dict:
     sp = sequence_parallel
     return {
         # Sequence parallelism: outside attention and MLP the activations stay split over the sequence (dim 1);
@@ -38,6 +39,8 @@ def _styles(sequence_parallel: bool) -> dict:
         # Mixture-of-experts blocks: Tessera keeps the experts whole on every rank (parameter-level plans such as
         # `packed_colwise` on the fused expert tensors are not applied); attention is still split.
         "moe_tp_experts": lambda: _WholeOnEveryRank(),
+        # DeepSeek's multi-head latent attention: the joint key/value down-projection, kept whole.
+        "mla_kv_a_proj": lambda: _MlaKvDownProjection(rope_dim),
     }
 
 
@@ -68,6 +71,45 @@ def _ReplicatedGradAllReduce():
 
     return ReplicatedGradAllReduce()
 
+
+
+class _SumGradOverRanks(torch.autograd.Function):
+    """Identity forward; backward adds up the ranks' partial gradients (all-reduce over the group)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return funcol.wait_tensor(funcol.all_reduce(grad.contiguous(), "sum", ctx.group)), None
+
+
+def _MlaKvDownProjection(rope_dim: Optional[int]):
+    """DeepSeek's `kv_a_proj_with_mqa`, whole on every rank: the first columns of its output go through the
+    column-parallel `kv_b_proj` (whose input gradient DTensor makes whole), the last `qk_rope_head_dim` (the
+    rotary key all heads share) straight into this rank's heads: their gradient is a partial sum that the ranks
+    add up, as Hugging Face's MlaKvAProjParallel does."""
+    if not rope_dim:
+        raise ModelError("the model's tensor-parallel plan splits a latent-attention key/value projection "
+                         "(mla_kv_a_proj) but its config has no qk_rope_head_dim; set strategy.tp=1")
+
+    class MlaKvDownProjection(ParallelStyle):
+        def _apply(self, module, device_mesh):
+            def inputs(mod, args, mesh):
+                return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                             if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in args)
+
+            def outputs(mod, out, mesh):
+                out = out.to_local() if isinstance(out, DTensor) else out
+                latent, rope = out.split([out.shape[-1] - rope_dim, rope_dim], dim=-1)
+                return torch.cat([latent, _SumGradOverRanks.apply(rope, mesh.get_group())], dim=-1)
+
+            return distribute_module(module, device_mesh, lambda name, mod, mesh: _replicate_parameters(mod, mesh),
+                                     input_fn=inputs, output_fn=outputs)
+
+    return MlaKvDownProjection()
 
 
 def _WholeOnEveryRank():
@@ -101,21 +143,10 @@ def _WholeOnEveryRank():
     return WholeOnEveryRank()
 
 
-def resolve_plan(part: nn.Module, plan: dict) -> dict:
-    """{module name: style name} for the modules of `part` the plan's patterns match (`*` is a layer index)."""
-    names = [n for n, m in part.named_modules() if n and not isinstance(m, nn.Identity) and m is not None]
-    resolved = {}
-    for pattern, style in plan.items():
-        regex = pattern.replace(".", r"\.").replace("*", r"\d+")
-        for n in names:
-            if re.fullmatch(regex, n):
-                resolved[n] = style
-    return resolved
-
-
 def apply_tp(part: nn.Module, plan: dict, tp_mesh, sequence_parallel: bool) -> None:
     ties = shared_parameters(part)
-    styles = _styles(sequence_parallel)
+    config = part.config.get_text_config() if hasattr(part.config, "get_text_config") else part.config
+    styles = _styles(sequence_parallel, getattr(config, "qk_rope_head_dim", None))
     unknown = sorted({st for st in plan.values() if st not in styles})
     if unknown:
         raise ModelError(f"the model's tensor-parallel plan uses style(s) {', '.join(map(repr, unknown))}, which "
@@ -129,9 +160,9 @@ def apply_tp(part: nn.Module, plan: dict, tp_mesh, sequence_parallel: bool) -> N
         for n in gather_at:
             part.get_submodule(n).register_forward_pre_hook(hook, with_kwargs=True)
         blocks = decoder_blocks(part)
-        for name, block in blocks:  # the blocks' norms work on sequence shards
-            for sub_name, sub in block.named_modules():
-                full = f"{name}.{sub_name}" if sub_name else name
+        for name, block in blocks:  # the blocks' own norms (on the residual stream) work on sequence shards;
+            for sub_name, sub in block.named_children():  # norms inside attention see the gathered sequence
+                full = f"{name}.{sub_name}"
                 if full in grad_allreduce:
                     continue
                 if "norm" in type(sub).__name__.lower() and any(True for _ in sub.parameters(recurse=False)):
@@ -145,6 +176,11 @@ def apply_tp(part: nn.Module, plan: dict, tp_mesh, sequence_parallel: bool) -> N
             parallelize_module(part.get_submodule(last), tp_mesh, resolved.pop(last))
         resolved[last] = PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate())
     parallelize_module(part, tp_mesh, resolved)
+    for name, style in resolved.items():
+        if ".shared_expert." in name and isinstance(style, RowwiseParallel):
+            # Llama 4's MoE block adds the routed experts into its shared expert's output in place, which the
+            # view a DTensor hands out as its local tensor does not allow: that output is a copy.
+            part.get_submodule(name).register_forward_hook(lambda mod, args, out: out.clone())
     _replicate_the_rest(part, tp_mesh)
     retie(ties)  # distribute_module gives each module its own DTensor parameter
 
@@ -173,14 +209,21 @@ def _replicate_the_rest(part, tp_mesh) -> None:
         return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
                      if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
 
-    def to_local(mod, outputs, mesh):
+    def to_local(mod, outputs, mesh):  # one tensor, or several (Llama 4's router: scores and logits)
+        if isinstance(outputs, (tuple, list)):
+            return type(outputs)(o.to_local() if isinstance(o, DTensor) else o for o in outputs)
         return outputs.to_local() if isinstance(outputs, DTensor) else outputs
 
     done = set()
     for module in list(part.modules()):
         own = [p for p in module.parameters(recurse=False)]
         if own and not all(isinstance(p, DTensor) for p in own) and not all(id(p) in done for p in own):
-            distribute_module(module, tp_mesh, input_fn=to_dtensor, output_fn=to_local)
+            if any(True for c in module.children() for _ in c.parameters()):
+                # A module with parameters of its own beside its children's (attention sinks): its forward mixes
+                # them with its children's plain outputs, so it runs on their local tensors.
+                _WholeOnEveryRank()._apply(module, tp_mesh)
+            else:
+                distribute_module(module, tp_mesh, input_fn=to_dtensor, output_fn=to_local)
             done.update(id(p) for p in module.parameters(recurse=False))
 
 

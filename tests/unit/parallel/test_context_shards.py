@@ -90,10 +90,53 @@ def test_ring_needs_cuda_and_plain_causal_attention():
     problems = cp_problems(_cfg(cp=2, cp_impl="ring", packing="documents"), sliding, dims, "cpu")
     assert any("needs CUDA attention kernels" in p for p in problems)
     assert any("data.packing=documents needs strategy.cp_impl=ulysses" in p for p in problems)
-    assert any("sliding window or logit soft-capping" in p for p in problems)
+    assert any("sliding window, attention chunks or logit soft-capping" in p for p in problems)
     assert cp_problems(_cfg(cp=2, cp_impl="ring"), _info(LlamaConfig(**LLAMA)), dims, "cuda") == []
     assert cp_problems(_cfg(cp_impl="ring"), _info(LlamaConfig(**LLAMA)), ParallelDims(1, 1, 1, 1, 1), "cpu") == [
         "strategy.cp_impl=ring is read with strategy.cp > 1 only"]
+
+
+def test_chunked_attention_is_masked_by_ulysses_and_refused_by_ring_and_flash():
+    """Llama 4's chunked layers: Ulysses masks each query to the keys of its own chunk of the whole sequence (as the
+    model's own chunked mask does on one process; before, the plain causal mask let it see every earlier key);
+    ring attention and flash kernels take no such mask and are refused before any group starts."""
+    from transformers import Llama4TextConfig
+
+    from trainer.parallel.context_parallel import ContextParallel, chunk_size
+
+    config = Llama4TextConfig(**LLAMA, head_dim=16, attention_chunk_size=4, no_rope_layers=[0, 1])
+    assert config.layer_types == ["full_attention", "chunked_attention"]
+    layer = SimpleNamespace(config=config, layer_idx=1)
+    assert chunk_size(layer) == 4 and chunk_size(SimpleNamespace(config=config, layer_idx=0)) is None
+    cp = ContextParallel.__new__(ContextParallel)
+    cp.inner, cp.documents, cp.masks = "sdpa", None, {}
+    mask = cp._mask(torch.zeros(1, 2, 8, 16), None, 4)[0, 0]
+    expected = torch.tensor([[k <= q and k // 4 == q // 4 for k in range(8)] for q in range(8)])
+    assert torch.equal(mask, expected)
+    assert cp._mask(torch.zeros(1, 2, 8, 16), None, None) is None  # SDPA masks causally itself
+    dims = ParallelDims(1, 1, 1, 1, 2, cp=2)
+    ring = cp_problems(_cfg(cp=2, cp_impl="ring"), _info(config), dims, "cuda")
+    assert any("attention chunks" in p for p in ring)
+    info = _info(config)
+    info.hf_config._attn_implementation = "flash_attention_2"
+    assert any("chunked attention layers need a mask" in p for p in cp_problems(_cfg(cp=2), info, dims, "cuda"))
+
+
+def test_per_head_parameters_are_sliced_to_this_ranks_heads():
+    """gpt-oss's sinks (one logit per head, also passed as s_aux): the kernel of a context rank sees its heads'
+    sinks, and the gradient reaches the whole parameter."""
+    from trainer.parallel.context_parallel import _on_heads
+
+    module = torch.nn.Module()
+    module.sinks = torch.nn.Parameter(torch.arange(4.0))
+    module.scaling = 0.5
+    view, kwargs = _on_heads(module, {"s_aux": module.sinks, "sliding_window": 16}, 4, slice(2, 4))
+    assert view.sinks.tolist() == [2.0, 3.0] and kwargs["s_aux"].tolist() == [2.0, 3.0]
+    assert view.scaling == 0.5 and kwargs["sliding_window"] == 16
+    view.sinks.sum().backward()
+    assert module.sinks.grad.tolist() == [0.0, 0.0, 1.0, 1.0]
+    plain = torch.nn.Linear(2, 2)
+    assert _on_heads(plain, {"x": 1}, 2, slice(0, 1)) == (plain, {"x": 1})  # no per-head parameter of its own
 
 
 def test_learned_positions_split_too_and_unknown_kernels_are_refused():

@@ -197,6 +197,64 @@ def test_tp_plan_styles_of_transformers_are_accepted_and_unknown_ones_refused():
     assert "'exotic_style'" in text and "strategy.tp=1" in text
 
 
+def test_a_plan_under_another_base_model_name_still_splits_the_blocks_and_one_that_splits_none_is_refused():
+    """Llama 4's causal LM names `language_model` as its base model and holds `model`: its plan is placed where the
+    blocks are (before, no pattern matched and tp held whole blocks on every rank). gpt-oss's plan names only the
+    embeddings: refused before any group starts, as one that splits nothing inside the blocks."""
+    from models import plans
+
+    llama4 = _meta("llama4_text", intermediate_size_mlp=128, num_local_experts=2, interleave_moe_layer_step=2)
+    resolved = plans.resolve_plan(llama4, plans.tp_plan(llama4, 2))
+    assert resolved["model.layers.0.self_attn.q_proj"] == "colwise"
+    assert resolved["model.layers.1.feed_forward.shared_expert.down_proj"] == "rowwise"
+    assert resolved["model.layers.1.feed_forward.experts"] == "moe_tp_experts"
+    assert plans.tp_plan_problems(llama4, _info(llama4), 2) == []
+    gpt_oss = _meta("gpt_oss", num_local_experts=2)
+    text = "\n".join(plans.tp_plan_problems(gpt_oss, _info(gpt_oss), 2))
+    assert "splits nothing inside the decoder blocks" in text and "strategy.tp=1" in text
+
+
+def test_a_module_with_parameters_of_its_own_beside_its_childrens_runs_under_tp(one_rank_group):
+    """An attention module holding a parameter of its own (sinks) beside its projections: the parameters the plan
+    leaves whole become replicated DTensors, and the module's forward mixes its own with its children's plain
+    outputs on local tensors (before: 'got mixed torch.Tensor and DTensor'); tuple outputs come back plain."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from trainer.parallel.tensor_parallel import _replicate_the_rest
+
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+            self.sinks = torch.nn.Parameter(torch.ones(4))
+
+        def forward(self, x):
+            return self.proj(x) + self.sinks
+
+    class Router(torch.nn.Linear):
+        def forward(self, x):
+            logits = super().forward(x)
+            return logits.softmax(-1), logits
+
+    import copy
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Attention(), Router(4, 4))
+    x, weights = torch.randn(3, 4), torch.randn(3, 4)
+    reference = copy.deepcopy(model)
+    expected = reference[1](reference[0](x))[0]
+    (expected * weights).sum().backward()
+    _replicate_the_rest(model, init_device_mesh("cpu", (1,)))
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    scores, logits = model[1](model[0](x))
+    assert not isinstance(scores, DTensor) and not isinstance(logits, DTensor)
+    assert torch.allclose(scores, expected)
+    (scores * weights).sum().backward()
+    for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
+        assert isinstance(p.grad, DTensor) and torch.allclose(p.grad.to_local(), ref.grad), name
+
+
 def test_tied_embeddings_are_detected_and_kept_whole_under_tp():
     from models import plans
 
@@ -245,9 +303,10 @@ def _stages(model_type, **kw):
 
     base = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                 intermediate_size=128, vocab_size=320, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    attention = kw.pop("attn_implementation", "sdpa")
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **base, **kw),
-                                             attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**base, **kw}),
+                                             attn_implementation=attention).eval()
     split = plans.pipeline_split(model)
     stages = []
     for first, layers in ((True, range(0, 2)), (False, range(2, 4))):
@@ -255,6 +314,67 @@ def _stages(model_type, **kw):
         cut_stage(part, split, first=first, last=not first, layers=layers)
         stages.append(StageModule(part, first, not first))
     return model, stages
+
+
+# Architectures whose forward does something to the embeddings before the first block, or after the last one, that
+# is not a module of its own (Granite's embedding multiplier and logit scaling, Gemma's normalizer), a norm of the
+# embeddings (Bloom), learned positions (GPT-2, OPT), Llama 4 (its base model is not `language_model`).
+CHAINED = {
+    "llama": {},
+    "granite": dict(embedding_multiplier=3.0, residual_multiplier=0.5, logits_scaling=4.0),
+    "bloom": dict(attn_implementation="eager", tie_word_embeddings=False),
+    "gemma2": dict(head_dim=16, query_pre_attn_scalar=16, attn_implementation="eager", tie_word_embeddings=False),
+    "gpt2": dict(tie_word_embeddings=False),
+    "opt": dict(ffn_dim=128, word_embed_proj_dim=64, tie_word_embeddings=False),
+    "llama4_text": dict(head_dim=16, intermediate_size_mlp=128, num_local_experts=2, interleave_moe_layer_step=2),
+}
+
+
+@pytest.mark.parametrize("model_type", list(CHAINED))
+def test_pipeline_stages_chained_are_the_whole_model(model_type):
+    """The stages' logits are the whole model's: a later stage's first block takes the received hidden states as
+    they came (not multiplied or normalized again by the model's forward), an earlier stage hands out its last
+    block's output; gradients reach every stage's parameters as the whole model's do (untied embeddings: tied
+    ones are two weights on two stages, summed by the strategy)."""
+    model, (first, last) = _stages(model_type, **CHAINED[model_type])
+    ids = torch.randint(3, 320, (2, 16), generator=torch.Generator().manual_seed(2))
+    whole = model(input_ids=ids, use_cache=False).logits
+    staged = last(first(ids))
+    assert torch.allclose(staged, whole, atol=1e-5), (staged - whole).abs().max()
+    whole.square().mean().backward()
+    staged.square().mean().backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    for stage in (first, last):
+        for name, p in stage.lm.named_parameters():
+            assert torch.allclose(p.grad, grads[name], atol=1e-5), name
+
+
+def test_pipeline_split_puts_a_norm_of_the_embeddings_on_the_first_stage():
+    from models import plans
+
+    split = plans.pipeline_split(_meta("bloom", n_layer=4, n_head=4))
+    assert split.first == ["transformer.word_embeddings", "transformer.word_embeddings_layernorm"]
+    assert split.last == ["transformer.ln_f", "lm_head"]
+
+
+def test_a_module_the_split_puts_at_the_wrong_end_stops_the_stage():
+    """A split that takes a module running before the blocks for a final one (as Tessera's took Bloom's norm of the
+    embeddings) would skip it on the first stage and compute another model: the stage's placeholder for it sees
+    that the model called it before any block and says so."""
+    import copy
+
+    from models import plans
+    from tessera.errors import ModelError
+    from trainer.parallel.pipeline import StageModule, cut_stage
+
+    model, _ = _stages("bloom", attn_implementation="eager")
+    split = plans.pipeline_split(model)
+    wrong = plans.PipelineSplit(split.layers, ["transformer.word_embeddings"],
+                                ["transformer.word_embeddings_layernorm", *split.last])
+    part = copy.deepcopy(model)
+    cut_stage(part, wrong, first=True, last=False, layers=range(0, 2))
+    with pytest.raises(ModelError, match="runs transformer.word_embeddings_layernorm before its decoder blocks"):
+        StageModule(part, True, False)(torch.randint(3, 320, (1, 8)))
 
 
 def _two_documents():
