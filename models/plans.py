@@ -127,7 +127,7 @@ def tp_plan_problems(model, info, tp: int) -> List[str]:
                         f"has no base_model_tp_plan, and its attention is not laid out for Tessera's own plan); "
                         f"set strategy.tp=1 (fsdp, pp and ZeRO train it)")
     elif not _splits_blocks(model, plan):
-        named = ", ".join(k for k, v in (getattr(model.config, "base_model_tp_plan", None) or {}).items())
+        named = ", ".join(getattr(model.config, "base_model_tp_plan", None) or {})
         problems.append(f"strategy.tp={tp}: the {model_type} tensor-parallel plan splits nothing inside the decoder "
                         f"blocks (its config's base_model_tp_plan names {named or 'nothing'}): every rank would "
                         f"hold and compute whole blocks; set strategy.tp=1 (fsdp, pp and ZeRO train it)")

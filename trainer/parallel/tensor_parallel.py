@@ -97,17 +97,13 @@ def _MlaKvDownProjection(rope_dim: Optional[int]):
 
     class MlaKvDownProjection(ParallelStyle):
         def _apply(self, module, device_mesh):
-            def inputs(mod, args, mesh):
-                return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-                             if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in args)
-
             def outputs(mod, out, mesh):
-                out = out.to_local() if isinstance(out, DTensor) else out
+                out = _local_outputs(mod, out, mesh)
                 latent, rope = out.split([out.shape[-1] - rope_dim, rope_dim], dim=-1)
                 return torch.cat([latent, _SumGradOverRanks.apply(rope, mesh.get_group())], dim=-1)
 
             return distribute_module(module, device_mesh, lambda name, mod, mesh: _replicate_parameters(mod, mesh),
-                                     input_fn=inputs, output_fn=outputs)
+                                     input_fn=_replicated_inputs, output_fn=outputs)
 
     return MlaKvDownProjection()
 
@@ -202,18 +198,22 @@ def _sequence_gather_hook(tp_mesh):
     return hook
 
 
+def _replicated_inputs(mod, inputs, mesh):
+    """distribute_module's input_fn: plain tensor arguments as replicated DTensors."""
+    return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                 if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
+
+
+def _local_outputs(mod, outputs, mesh):
+    """distribute_module's output_fn: one tensor, or several (Llama 4's router: scores and logits), as plain ones."""
+    if isinstance(outputs, (tuple, list)):
+        return type(outputs)(o.to_local() if isinstance(o, DTensor) else o for o in outputs)
+    return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+
 def _replicate_the_rest(part, tp_mesh) -> None:
     """Modules the plan leaves whole (norms; embeddings/head when not split) get their parameters as replicated
     DTensors, taking and returning plain tensors."""
-    def to_dtensor(mod, inputs, mesh):
-        return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-                     if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
-
-    def to_local(mod, outputs, mesh):  # one tensor, or several (Llama 4's router: scores and logits)
-        if isinstance(outputs, (tuple, list)):
-            return type(outputs)(o.to_local() if isinstance(o, DTensor) else o for o in outputs)
-        return outputs.to_local() if isinstance(outputs, DTensor) else outputs
-
     done = set()
     for module in list(part.modules()):
         own = [p for p in module.parameters(recurse=False)]
@@ -221,9 +221,9 @@ def _replicate_the_rest(part, tp_mesh) -> None:
             if any(True for c in module.children() for _ in c.parameters()):
                 # A module with parameters of its own beside its children's (attention sinks): its forward mixes
                 # them with its children's plain outputs, so it runs on their local tensors.
-                _WholeOnEveryRank()._apply(module, tp_mesh)
+                parallelize_module(module, tp_mesh, _WholeOnEveryRank())
             else:
-                distribute_module(module, tp_mesh, input_fn=to_dtensor, output_fn=to_local)
+                distribute_module(module, tp_mesh, input_fn=_replicated_inputs, output_fn=_local_outputs)
             done.update(id(p) for p in module.parameters(recurse=False))
 
 

@@ -377,6 +377,45 @@ def test_a_module_the_split_puts_at_the_wrong_end_stops_the_stage():
         StageModule(part, True, False)(torch.randint(3, 320, (1, 8)))
 
 
+def test_a_later_stage_hands_its_first_block_the_received_states_also_by_keyword():
+    """A base model that calls its blocks with `hidden_states=`: the later stage's first block gets the received
+    hidden states by that keyword (its forward's own scaling of the embeddings is not applied again); a block
+    called with neither is stopped with a message."""
+    from types import SimpleNamespace
+
+    from tessera.errors import ModelError
+    from trainer.parallel.pipeline import StageModule
+
+    class Block(torch.nn.Linear):
+        def forward(self, hidden_states=None, other=None):
+            return super().forward(hidden_states if other is None else other)
+
+    class Body(torch.nn.Module):
+        def __init__(self, by_keyword):
+            super().__init__()
+            self.layers, self.by_keyword = torch.nn.ModuleList([Block(4, 4), Block(4, 4)]), by_keyword
+
+        def forward(self, input_ids=None, inputs_embeds=None, use_cache=False):
+            h = inputs_embeds * 3.0  # done on the first stage already
+            for block in self.layers:
+                h = block(hidden_states=h) if self.by_keyword else block(other=h)
+            return SimpleNamespace(last_hidden_state=h)
+
+    class LM(torch.nn.Module):
+        base_model_prefix = "model"
+
+        def __init__(self, by_keyword):
+            super().__init__()
+            self.model = Body(by_keyword)
+
+    lm = LM(by_keyword=True)
+    x = torch.randn(2, 4)
+    expected = lm.model.layers[1](lm.model.layers[0](x))
+    assert torch.allclose(StageModule(lm, first=False, last=False)(x), expected)
+    with pytest.raises(ModelError, match="without its hidden states"):
+        StageModule(LM(by_keyword=False), first=False, last=False)(x)
+
+
 def _two_documents():
     ids = torch.randint(3, 320, (2, 24), generator=torch.Generator().manual_seed(1))
     positions = torch.cat([torch.arange(10), torch.arange(14)])[None].repeat(2, 1)
