@@ -17,11 +17,18 @@ STEPS = SMALL + ["train.max_steps=3", "train.log_every=1", "eval.every=0", "chec
 
 
 def _served(run_dir) -> list:
-    return [r for r in warm.served() if f"hydra.run.dir={run_dir}" in r["argv"]]
+    """The ranks of the launch into `run_dir` that ran warm (not its launcher: torchrun is served too)."""
+    return [r for r in warm.served() if f"hydra.run.dir={run_dir}" in r["argv"] and r["argv"][0].endswith("main.py")]
 
 
-@pytest.mark.parametrize("launcher,strategy,nproc", [("python", "single", 1), ("torchrun", "ddp", 2)])
+def _launchers_served(run_dir) -> list:
+    return [r for r in warm.served() if f"hydra.run.dir={run_dir}" in r["argv"] and not r["argv"][0].endswith("main.py")]
+
+
+@pytest.mark.parametrize("launcher,strategy,nproc", [("python", "single", 1), ("torchrun", "ddp", 2),
+                                                     ("torchrun-quiet", "fsdp", 2)])
 def test_a_warm_run_logs_the_numbers_of_a_cold_run(tmp_path, launcher, strategy, nproc):
+    """The ranks and the launcher (torchrun, launch.sh's torchrun; a python launch has none) run warm."""
     runs = {}
     for mode in ("cold", "warm"):
         run_dir = tmp_path / mode
@@ -30,6 +37,7 @@ def test_a_warm_run_logs_the_numbers_of_a_cold_run(tmp_path, launcher, strategy,
         runs[mode] = metrics(run_dir)
         assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
         assert len(_served(run_dir)) == (nproc if mode == "warm" else 0), warm.served()
+        assert len(_launchers_served(run_dir)) == (launcher != "python" and mode == "warm"), warm.served()
     keys = ("step", "loss", "grad_norm", "lr", "tokens")
     assert [[r.get(k) for k in keys] for r in runs["warm"]] == [[r.get(k) for k in keys] for r in runs["cold"]]
 
@@ -45,9 +53,9 @@ def test_a_failing_run_exits_with_its_code_and_message(tmp_path):
     assert results["warm"][0] == 2 and "must be divisible by model.num_heads=3" in results["warm"][2], results
 
 
-def _start_long(run_dir) -> subprocess.Popen:
+def _start_long(run_dir, launcher: str = "python", nproc: int = 1) -> subprocess.Popen:
     env = warm.warm_env(warm.base_env())
-    cmd = launcher_command("python") + SMALL + ["train.max_steps=100000", "train.log_every=1", "eval.every=0", "checkpoint.every=0",
+    cmd = launcher_command(launcher, nproc) + SMALL + ["train.max_steps=100000", "train.log_every=1", "eval.every=0", "checkpoint.every=0",
                     "export.hf_at_end=false", f"hydra.run.dir={run_dir}"]
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -136,3 +144,31 @@ def test_a_changed_environment_gets_a_server_of_its_own_and_the_oldest_retires(t
     assert oldest not in warm._servers and len(warm._servers) == warm.MAX_SERVERS
     oldest.proc.wait(timeout=30)  # retired: it ended by itself
     assert not os.path.exists(oldest.path)
+
+
+def test_a_warm_launcher_passes_sigterm_on_and_sigkill_ends_every_copy(tmp_path):
+    """launch.sh's torchrun served warm: SIGTERM to its own process reaches the ranks (they save and the launch
+    exits 0, as cold: test_signals.py); SIGKILL to it ends the launcher's copy and both ranks' copies (a test's
+    timeout kills a launch so)."""
+    stopped = _start_long(tmp_path / "term", "torchrun-quiet", 2)
+    try:
+        _wait_for_steps(stopped, tmp_path / "term")
+        os.kill(stopped.pid, signal.SIGTERM)
+        out, err = stopped.communicate(timeout=120)
+    finally:
+        stopped.kill()
+    assert stopped.returncode == 0, err[-3000:]
+    assert "stopped by SIGTERM at step" in out + err, (out + err)[-3000:]
+    assert (tmp_path / "term" / "checkpoints" / "latest").exists()
+    assert len(_launchers_served(tmp_path / "term")) == 1 and len(_served(tmp_path / "term")) == 2
+
+    killed = _start_long(tmp_path / "kill", "torchrun-quiet", 2)
+    try:
+        _wait_for_steps(killed, tmp_path / "kill")
+        copies = [r["pid"] for r in _launchers_served(tmp_path / "kill") + _served(tmp_path / "kill")]
+        os.killpg(killed.pid, signal.SIGKILL)
+        killed.communicate(timeout=60)
+    finally:
+        killed.kill()
+    assert len(copies) == 3
+    assert all(_gone(pid) for pid in copies), f"copies {copies} outlived the launch"

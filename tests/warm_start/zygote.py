@@ -1,8 +1,9 @@
 """The warm-start server of the test suite: one Python process that has imported what every rank of trainer/main.py
 imports from torch and transformers (about 3 s of CPU per process, most of a small test run), then forks a copy of
-itself for each rank a launcher starts. The rank's own process (started by python, torchrun, deepspeed or launch.sh
-as always) hands its argv, environment, working directory and standard streams over in sitecustomize.py here, waits
-for the copy and ends as it ended (exit code or signal), passing on the signals it receives.
+itself for each rank a launcher starts, and for the launchers that import torch themselves (torchrun, DeepSpeed's
+runner). The rank's (or launcher's) own process, started as always, hands its argv, environment, working directory
+and standard streams over in sitecustomize.py here, waits for the copy and ends as it ended (exit code or signal),
+passing on the signals it receives.
 
     python tests/warm_start/zygote.py SOCKET_PATH [MODULE...]
 
@@ -13,6 +14,7 @@ A copy runs trainer/main.py exactly as a fresh interpreter would (runpy, `__main
 the rank's own process dies (SIGKILL included) the copy's session is killed. A request whose environment differs from
 the server's in anything a module imported here may have read at import time is declined, and that rank starts cold.
 Only the standard library at module level: the heavy imports run in warm_imports(), in the server alone."""
+import atexit
 import gc
 import importlib
 import json
@@ -22,6 +24,7 @@ import select
 import signal
 import socket
 import sys
+import threading
 
 # Variables a launcher sets per rank or per launch (torchrun, Tessera's torchrun wrapper, the deepspeed launcher,
 # which sets PYTORCH_NVML_BASED_CUDA_CHECK and CUDA_VISIBLE_DEVICES), and the tests' own: read at run time (by the
@@ -109,7 +112,9 @@ def become(request: dict, fds: list, listener, conns) -> None:
         os.environ.setdefault(key, value)
     os.umask(request["umask"])
     sys.argv, sys.orig_argv = request["argv"], request["orig_argv"]
-    sys.path[:] = [os.path.dirname(os.path.abspath(request["argv"][0]))] + request["path"]
+    # sys.path[0] as the interpreter sets it: the script's folder, or for `-m` the working directory
+    first = request["cwd"] if request.get("module") else os.path.dirname(os.path.abspath(request["argv"][0]))
+    sys.path[:] = [first] + request["path"]
 
 
 def serve(path: str, own_env: dict):
@@ -176,7 +181,7 @@ def handle(conn, own_env: dict, listener, children):
     for fd in fds:
         os.close(fd)
     children[conn] = (pid, request["env"].get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0])
-    log("served.log", {"argv": request["argv"], "pid": pid})
+    log("served.log", {"argv": request["argv"], "module": request.get("module"), "pid": pid})
     conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
     return None
 
@@ -201,6 +206,32 @@ def reap(children) -> None:
             conn.close()
 
 
+def run_and_exit(module) -> None:
+    """Run the copy's script (or `-m` module) as the interpreter would, then end as it would, less its teardown:
+    the interpreter's own end (non-daemon threads joined, atexit functions, streams flushed) and then os._exit. The
+    teardown (every module and object freed) costs 0.5 s of CPU in a process holding torch, more than a tiny run's
+    steps. An exception other than SystemExit ends as usual (traceback, teardown)."""
+    try:
+        if module:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(sys.argv[0], run_name="__main__")
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    if code is not None and not isinstance(code, int):  # sys.exit("message"): printed, exit 1
+        print(code, file=sys.stderr)
+        code = 1
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code or 0)
+
+
 def kill_session(pid: int) -> None:
     try:
         os.killpg(pid, signal.SIGKILL)
@@ -223,7 +254,8 @@ if __name__ == "__main__":
     _forked = serve(sys.argv[1], _env_before)
     if _forked is None:
         sys.exit(0)
+    _module = _forked.get("module")
     del _forked, _env_before
-    # The copy: trainer/main.py as a script. Its exit (SystemExit, an exception's traceback) is the interpreter's
-    # own, from here: nothing of the server's loop is on the stack any more.
-    runpy.run_path(sys.argv[0], run_name="__main__")
+    # The copy: trainer/main.py (or a launcher) as a script, or a launcher module as `-m` runs it (its file in
+    # argv[0]), from here: nothing of the server's loop is on the stack any more.
+    run_and_exit(_module)
