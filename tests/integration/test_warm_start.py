@@ -22,7 +22,8 @@ def _served(run_dir) -> list:
 
 
 def _launchers_served(run_dir) -> list:
-    return [r for r in warm.served() if f"hydra.run.dir={run_dir}" in r["argv"] and not r["argv"][0].endswith("main.py")]
+    return [r for r in warm.served()
+            if f"hydra.run.dir={run_dir}" in r["argv"] and not r["argv"][0].endswith("main.py")]
 
 
 @pytest.mark.parametrize("launcher,strategy,nproc", [("python", "single", 1), ("torchrun", "ddp", 2),
@@ -55,8 +56,9 @@ def test_a_failing_run_exits_with_its_code_and_message(tmp_path):
 
 def _start_long(run_dir, launcher: str = "python", nproc: int = 1) -> subprocess.Popen:
     env = warm.warm_env(warm.base_env())
-    cmd = launcher_command(launcher, nproc) + SMALL + ["train.max_steps=100000", "train.log_every=1", "eval.every=0", "checkpoint.every=0",
-                    "export.hf_at_end=false", f"hydra.run.dir={run_dir}"]
+    cmd = launcher_command(launcher, nproc) + SMALL + ["train.max_steps=100000", "train.log_every=1", "eval.every=0",
+                                                       "checkpoint.every=0", "export.hf_at_end=false",
+                                                       f"hydra.run.dir={run_dir}"]
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
 
@@ -81,27 +83,37 @@ def _gone(pid: int, within: float = 30) -> bool:
     return False
 
 
-def test_sigterm_reaches_the_trainer_and_sigkill_kills_the_copy(tmp_path):
-    stopped = _start_long(tmp_path / "term")
+def _sigterm_saves(run_dir, launcher: str = "python", nproc: int = 1) -> None:
+    """SIGTERM to the launch's own process after 2 steps: passed on to the copies, which save; exit 0."""
+    stopped = _start_long(run_dir, launcher, nproc)
     try:
-        _wait_for_steps(stopped, tmp_path / "term")
-        os.kill(stopped.pid, signal.SIGTERM)  # the rank's own process: passed on to the copy, which saves
+        _wait_for_steps(stopped, run_dir)
+        os.kill(stopped.pid, signal.SIGTERM)
         out, err = stopped.communicate(timeout=120)
     finally:
         stopped.kill()
     assert stopped.returncode == 0, err[-3000:]
     assert "stopped by SIGTERM at step" in out + err, (out + err)[-3000:]
-    assert (tmp_path / "term" / "checkpoints" / "latest").exists()
+    assert (run_dir / "checkpoints" / "latest").exists()
 
-    killed = _start_long(tmp_path / "kill")
+
+def _copies_after_sigkill(run_dir, launcher: str = "python", nproc: int = 1) -> list:
+    """SIGKILL to the launch's processes after 2 steps; the pids of the copies that served it (launcher first)."""
+    killed = _start_long(run_dir, launcher, nproc)
     try:
-        _wait_for_steps(killed, tmp_path / "kill")
-        copy, = [r["pid"] for r in _served(tmp_path / "kill")]
-        os.kill(killed.pid, signal.SIGKILL)
+        _wait_for_steps(killed, run_dir)
+        copies = [r["pid"] for r in _launchers_served(run_dir) + _served(run_dir)]
+        os.killpg(killed.pid, signal.SIGKILL)
         killed.communicate(timeout=60)
     finally:
         killed.kill()
     assert killed.returncode == -signal.SIGKILL
+    return copies
+
+
+def test_sigterm_reaches_the_trainer_and_sigkill_kills_the_copy(tmp_path):
+    _sigterm_saves(tmp_path / "term")
+    copy, = _copies_after_sigkill(tmp_path / "kill")
     assert _gone(copy), f"the copy {copy} outlived its rank's process"
 
 
@@ -150,25 +162,8 @@ def test_a_warm_launcher_passes_sigterm_on_and_sigkill_ends_every_copy(tmp_path)
     """launch.sh's torchrun served warm: SIGTERM to its own process reaches the ranks (they save and the launch
     exits 0, as cold: test_signals.py); SIGKILL to it ends the launcher's copy and both ranks' copies (a test's
     timeout kills a launch so)."""
-    stopped = _start_long(tmp_path / "term", "torchrun-quiet", 2)
-    try:
-        _wait_for_steps(stopped, tmp_path / "term")
-        os.kill(stopped.pid, signal.SIGTERM)
-        out, err = stopped.communicate(timeout=120)
-    finally:
-        stopped.kill()
-    assert stopped.returncode == 0, err[-3000:]
-    assert "stopped by SIGTERM at step" in out + err, (out + err)[-3000:]
-    assert (tmp_path / "term" / "checkpoints" / "latest").exists()
+    _sigterm_saves(tmp_path / "term", "torchrun-quiet", 2)
     assert len(_launchers_served(tmp_path / "term")) == 1 and len(_served(tmp_path / "term")) == 2
-
-    killed = _start_long(tmp_path / "kill", "torchrun-quiet", 2)
-    try:
-        _wait_for_steps(killed, tmp_path / "kill")
-        copies = [r["pid"] for r in _launchers_served(tmp_path / "kill") + _served(tmp_path / "kill")]
-        os.killpg(killed.pid, signal.SIGKILL)
-        killed.communicate(timeout=60)
-    finally:
-        killed.kill()
+    copies = _copies_after_sigkill(tmp_path / "kill", "torchrun-quiet", 2)
     assert len(copies) == 3
     assert all(_gone(pid) for pid in copies), f"copies {copies} outlived the launch"

@@ -1,11 +1,12 @@
 """Put this folder on PYTHONPATH with TESSERA_TEST_ZYGOTE=<socket> set (tests/warm.py does both), and a process
 that starts trainer/main.py (or the architecture matrix's worker), or a launcher that imports torch before it starts
 them (torchrun, launch.sh's `python -m trainer.torchrun`, DeepSpeed's runner), hands itself over to the warm-start
-server at that socket (zygote.py here) instead of importing torch and transformers itself: the server forks a copy that has them imported already and runs the
-script with this process's argv, environment, directory and standard streams. This process stays what its launcher
-started: it passes the signals it receives on to the copy and ends as the copy ended (its exit code, or killed by
-the same signal); when it is killed itself the server kills the copy. When the server declines (an environment it
-was not started with) or is gone, the script starts here as usual. Every other process is untouched."""
+server at that socket (zygote.py here) instead of importing torch and transformers itself: the server forks a copy
+that has them imported already and runs the script with this process's argv, environment, directory and standard
+streams. This process stays what its launcher started: it passes the signals it receives on to the copy and ends as
+the copy ended (its exit code, or killed by the same signal); when it is killed itself the server kills the copy.
+When the server declines (an environment it was not started with) or is gone, the script starts here as usual.
+Every other process is untouched."""
 import os
 import sys
 

@@ -10,9 +10,10 @@ passing on the signals it receives.
 prints {"ready": <the variables its imports set>} once it listens; "retire" on stdin: no more requests, it ends after
 its last copy; stdin closed: it kills its copies and ends.
 
-A copy runs trainer/main.py exactly as a fresh interpreter would (runpy, `__main__`), in a session of its own; when
-the rank's own process dies (SIGKILL included) the copy's session is killed. A request whose environment differs from
-the server's in anything a module imported here may have read at import time is declined, and that rank starts cold.
+A copy runs trainer/main.py exactly as a fresh interpreter would (runpy, `__main__`; its end skips only the
+interpreter's teardown: run_and_exit), in a session of its own; when the rank's own process dies (SIGKILL included)
+the copy's session is killed. A request whose environment differs from the server's in anything a module imported
+here may have read at import time is declined, and that rank starts cold.
 Only the standard library at module level: the heavy imports run in warm_imports(), in the server alone."""
 import atexit
 import gc
