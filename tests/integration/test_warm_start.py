@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -16,14 +17,14 @@ from tests.integration.conftest import REPO, SMALL, launch, launcher_command, me
 STEPS = SMALL + ["train.max_steps=3", "train.log_every=1", "eval.every=0", "checkpoint.at_end=false"]
 
 
-def _served(run_dir) -> list:
-    """The ranks of the launch into `run_dir` that ran warm (not its launcher: torchrun is served too)."""
-    return [r for r in warm.served() if f"hydra.run.dir={run_dir}" in r["argv"] and r["argv"][0].endswith("main.py")]
+def _served(run_dir, ranks: bool = True) -> list:
+    """The ranks (or, ranks=False, the launcher) of the launch into `run_dir` that ran warm."""
+    return [r for r in warm.served()
+            if f"hydra.run.dir={run_dir}" in r["argv"] and r["argv"][0].endswith("main.py") == ranks]
 
 
 def _launchers_served(run_dir) -> list:
-    return [r for r in warm.served()
-            if f"hydra.run.dir={run_dir}" in r["argv"] and not r["argv"][0].endswith("main.py")]
+    return _served(run_dir, ranks=False)
 
 
 @pytest.mark.parametrize("launcher,strategy,nproc", [("python", "single", 1), ("torchrun", "ddp", 2),
@@ -167,3 +168,20 @@ def test_a_warm_launcher_passes_sigterm_on_and_sigkill_ends_every_copy(tmp_path)
     copies = _copies_after_sigkill(tmp_path / "kill", "torchrun-quiet", 2)
     assert len(copies) == 3
     assert all(_gone(pid) for pid in copies), f"copies {copies} outlived the launch"
+
+
+def test_a_copy_ends_as_the_interpreter_would(tmp_path):
+    """zygote.run_and_exit: sys.exit("message") prints it and exits 1; a non-daemon thread is joined and the atexit
+    functions run (what they write is there) before the copy ends without the teardown."""
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import atexit, sys, threading, time\n"
+        f"out = open({str(tmp_path / 'out.txt')!r}, 'w')\n"
+        "threading.Thread(target=lambda: (time.sleep(0.3), out.write('thread;'))).start()\n"
+        "atexit.register(lambda: (out.write('atexit'), out.close()))\n"
+        "sys.exit('the message')\n")
+    runner = (f"import sys; sys.path.insert(0, {str(REPO / 'tests' / 'warm_start')!r}); import zygote; "
+              f"sys.argv = [{str(script)!r}]; zygote.run_and_exit(None)")
+    proc = subprocess.run([sys.executable, "-c", runner], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and proc.stderr.strip() == "the message", proc.stderr
+    assert (tmp_path / "out.txt").read_text() == "thread;atexit"
