@@ -79,6 +79,7 @@ def tp_plan(model, tp: int) -> Optional[Dict[str, str]]:
     # Experts stay whole (moe_tp_experts): their parameter-level entries (packed_colwise, ...) do not apply.
     whole = [k for k, v in plan.items() if v == "moe_tp_experts"]
     plan = {k: v for k, v in plan.items() if not any(k.startswith(w + ".") for w in whole)}
+    plan.update(_learned_activations(model, plan))
     vocab = getattr(config, "vocab_size", 0)
     names = {id(m): n for n, m in model.named_modules()}
     embed = model.get_input_embeddings()
@@ -95,6 +96,16 @@ def tp_plan(model, tp: int) -> Optional[Dict[str, str]]:
     else:
         plan.pop(names.get(id(embed)), None)  # a vocabulary that does not divide: embeddings and head stay whole
     return plan
+
+
+def _learned_activations(model, plan: dict) -> Dict[str, str]:
+    """Activations with parameters (Apertus' xIELU scalars) beside column-parallel projections: they act on
+    this rank's columns, so their gradient is a partial sum over the tensor-parallel ranks
+    (`replicated_with_grad_allreduce`, as Hugging Face's plans name the per-head norms)."""
+    split = {n.rpartition(".")[0] for n, st in resolve_plan(model, plan).items() if st == "colwise"}
+    return {re.sub(r"\.\d+\.", ".*.", name): "replicated_with_grad_allreduce" for name, m in model.named_modules()
+            if name.rpartition(".")[0] in split and "act" in name.rpartition(".")[2]
+            and any(True for _ in m.parameters(recurse=False))}
 
 
 def resolve_plan(part: nn.Module, plan: dict) -> dict:
@@ -137,10 +148,10 @@ def tp_plan_problems(model, info, tp: int) -> List[str]:
             problems.append(f"strategy.tp={tp}: the {model_type} tensor-parallel plan uses style(s) "
                             f"{', '.join(map(repr, unknown))}, which Tessera does not apply (supported: "
                             f"{', '.join(SUPPORTED_TP_STYLES)}); set strategy.tp=1")
-    if info.num_heads % tp:
+    if info.num_heads and info.num_heads % tp:  # None: no attention heads (a state-space model)
         problems.append(f"strategy.tp={tp} must divide the attention heads ({info.num_heads}); change strategy.tp or "
                         f"model.num_heads")
-    if info.num_kv_heads % tp:
+    if info.num_kv_heads and info.num_kv_heads % tp:
         problems.append(f"strategy.tp={tp} must divide the key/value heads ({info.num_kv_heads}); change strategy.tp "
                         f"or model.num_kv_heads")
     return problems
@@ -175,8 +186,10 @@ def pipeline_split(model) -> Optional[PipelineSplit]:
         return None
     names = {id(m): n for n, m in model.named_modules()}
     first, last, zeroed = [], [], []
+    after_layers = False
     for child_name, child in owner.named_children():
         path = f"{owner_path}.{child_name}" if owner_path else child_name
+        after_layers = after_layers or path == layers
         if path == layers or child is None or not any(True for _ in child.parameters()):
             continue
         if child is embed:
@@ -184,8 +197,10 @@ def pipeline_split(model) -> Optional[PipelineSplit]:
         elif isinstance(child, nn.Embedding):  # an additive position embedding: later stages add zeros
             first.append(path)
             zeroed.append(path)
-        elif any(k in child_name for k in ("proj_in", "project_in", "emb")):  # an input projection, or a norm of
-            first.append(path)  # the embeddings (Bloom's word_embeddings_layernorm)
+        elif any(k in child_name for k in ("proj_in", "project_in")) or "emb" in child_name and not after_layers:
+            # an input projection, or a norm of the embeddings (Bloom's word_embeddings_layernorm); one declared
+            # after the blocks runs after them (LFM2's final norm is its `embedding_norm`)
+            first.append(path)
         else:
             last.append(path)
     if names.get(id(embed)) not in first:

@@ -99,8 +99,8 @@ class _File:
 
     def read(self, key: str, index=None) -> torch.Tensor:
         if self.safetensors:
-            part = self.handle.get_slice(key)
-            return part[index] if index is not None else part[:]
+            # get_tensor for the whole tensor: a slice of a 0-dim tensor (Apertus' activation scalars) is refused
+            return self.handle.get_slice(key)[index] if index is not None else self.handle.get_tensor(key)
         tensor = self.handle[key]
         return (tensor[index] if index is not None else tensor).clone()
 

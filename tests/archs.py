@@ -197,9 +197,37 @@ def deepseek_v3():
                                                                               "rope_theta": 10000.0}))
 
 
+def qwen3_5():
+    from transformers import Qwen3_5TextConfig
+
+    # Qwen3.5's text model: gated delta-net linear attention (a causal convolution over the sequence, a recurrent
+    # scan) in layers 0-2, gated full attention with partial rotary embeddings in layer 3.
+    return Qwen3_5TextConfig(**_common(num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, linear_num_key_heads=2,
+                                       linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                                       attention_dropout=0.0,
+                                       layer_types=["linear_attention"] * (LAYERS - 1) + ["full_attention"]))
+
+
+def lfm2():
+    from transformers import Lfm2Config
+
+    # LFM2: gated short convolutions over the sequence in layers 0 and 2, attention with q/k norms in 1 and 3; its
+    # final norm is named `embedding_norm`; tied embeddings.
+    return Lfm2Config(**_common(num_key_value_heads=KV_HEADS, block_ff_dim=INTERMEDIATE, block_auto_adjust_ff_dim=False,
+                                layer_types=["conv", "full_attention"] * (LAYERS // 2)))
+
+
+def apertus():
+    from transformers import ApertusConfig
+
+    # Apertus: the xIELU activation (learned scalars, 0-dim buffers in the checkpoint), q/k norms, an MLP without
+    # a gate.
+    return ApertusConfig(**_common(num_key_value_heads=KV_HEADS, attention_dropout=0.0))
+
+
 ARCHITECTURES = OrderedDict((f.__name__, f) for f in (
     llama, llama_tied, qwen2, qwen3, mistral, gemma2, gemma3, phi3, gpt2, gpt_neox, opt, olmo2, mixtral, qwen3_moe,
-    granite, bloom, llama4, gpt_oss, deepseek_v3))
+    granite, bloom, llama4, gpt_oss, deepseek_v3, qwen3_5, lfm2, apertus))
 
 
 def make_config(name: str):
@@ -253,6 +281,9 @@ REFUSED = {
     ("bloom", "tp"): "bloom architecture has no tensor-parallel plan",
     ("gpt_oss", "tp"): "tensor-parallel plan splits nothing inside the decoder blocks",
     ("bloom", "cp"): "forward takes no position_ids",
+    ("qwen3_5", "cp"): "the qwen3_5_text model mixes tokens outside attention (its linear_attention layers)",
+    ("lfm2", "tp"): "tensor-parallel plan splits nothing inside the decoder blocks",
+    ("lfm2", "cp"): "the lfm2 model mixes tokens outside attention (its conv layers)",
     **{(name, "ep"): "needs a mixture-of-experts model whose experts are fused 3-D tensors"
        for name in ARCHITECTURES if name not in MOE_ARCHITECTURES},
     ("llama4", "ep"): "can't split llama4_text's Llama4TextExperts",
@@ -264,6 +295,9 @@ REFUSED_WHY = {
     ("bloom", "tp"): "refused: fused query_key_value, no TP plan",
     ("gpt_oss", "tp"): "refused: its plan splits only the embeddings",
     ("bloom", "cp"): "refused: ALiBi, no position ids",
+    ("qwen3_5", "cp"): "refused: linear attention mixes the sequence",
+    ("lfm2", "tp"): "refused: its plan splits only the embeddings",
+    ("lfm2", "cp"): "refused: short convolutions mix the sequence",
     **{(name, "ep"): "refused: dense (no experts)" for name in ARCHITECTURES if name not in MOE_ARCHITECTURES},
     ("llama4", "ep"): "refused: experts take routed tokens, not (tokens, top-k)",
 }

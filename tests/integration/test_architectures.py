@@ -31,6 +31,14 @@ ARCHS = list(ARCHITECTURES)
 # fp32 parity: relative error of each step's loss and grad norm (and the final val loss). Measured ~1e-7 in most
 # cells; the largest seen: gemma3 under zero3 6.7e-7, olmo2 under tp 6.8e-7 (the q/k norms over all heads).
 TOL = FP32_TOL
+# Apertus under zero3 and tp: 7.8e-6 and 6.7e-6 in the step-2 grad norm (ddp, fsdp, zero2 1e-7). Its xIELU
+# activation leaves some up-projection weights a gradient near AdamW's eps (1e-8), where the first step's update
+# g / (|g| + eps) follows the gradient's rounding: one weight of layer 0 moved 5.22e-4 on one process, 5.37e-4
+# under zero3 (measured from the exports after one step).
+ARCH_TOL = {"apertus": 2e-5}
+# Learned activation parameters (Apertus' xIELU alpha_p, alpha_n) after 3 steps, against one process: ~1e-7
+# measured; summed over one tensor-parallel rank's columns only (no all-reduce), 1.3e-4 to 2.9e-3.
+ACTIVATION_TOL = 1e-5
 # bf16 vs bf16 on another layout: autocast rounds to 8 mantissa bits (~4e-3 relative each) in another summation
 # order; ~1.4e-3 is seen over 3 steps.
 BF16_TOL = 2e-2
@@ -259,7 +267,7 @@ def _cell(job: str, layout: str):
                                          if (a, lay) not in REFUSED])
 def test_architecture_trains_under_layout(matrix, arch_models, layout, arch):
     """3 fp32 AdamW steps: the same loss and grad-norm curve (and final val loss) as single-process training
-    within 1e-6 relative, and hf/ is the model the trainer ended with."""
+    within 1e-6 relative (ARCH_TOL where measured otherwise), and hf/ is the model the trainer ended with."""
     r = _finished(matrix, layout, arch)
     if layout == "single":
         recs = _curves(r["run_dir"])
@@ -267,8 +275,24 @@ def test_architecture_trains_under_layout(matrix, arch_models, layout, arch):
         assert recs[-1]["loss"] < recs[0]["loss"] - 0.15, [x["loss"] for x in recs]
     else:
         ref = _finished(matrix, "single", arch)
-        _check_parity(f"{arch} {layout}", r["run_dir"], ref["run_dir"], TOL)
+        _check_parity(f"{arch} {layout}", r["run_dir"], ref["run_dir"], ARCH_TOL.get(arch, TOL))
+        _check_learned_activations(f"{arch} {layout}", Path(r["run_dir"]), Path(ref["run_dir"]))
     _check_export(f"{arch} {layout}", r["run_dir"], arch_models / arch)
+
+
+def _check_learned_activations(name: str, run_dir: Path, ref_dir: Path) -> None:
+    """The exported parameters of activation functions (`act_fn`) are one process's: a layout that splits the
+    activations' input (tensor parallelism) must add up their gradient over the ranks."""
+    from safetensors.torch import load_file
+
+    def activations(folder):
+        return {k: v for path in sorted(folder.glob("*.safetensors")) for k, v in load_file(path).items()
+                if ".act_fn." in k and not k.endswith((".beta", ".eps"))}
+
+    got, ref = activations(run_dir / "hf"), activations(ref_dir / "hf")
+    assert got.keys() == ref.keys(), name
+    worst = max(((float((got[k] - ref[k]).abs().max()), k) for k in ref), default=(0.0, None))
+    assert worst[0] < ACTIVATION_TOL, f"{name}: {worst[1]} differs from one process's by {worst[0]:.1e}"
 
 
 @pytest.mark.parametrize("arch,layout", sorted(REFUSED))

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 
 import pytest
 
+from tests.archs import make_model_folder
 from tests.integration.catalogue import Timer, check_case
 from tests.integration.conftest import REPO, SMALL, free_port, launch, run_process_group
 
@@ -75,8 +76,10 @@ CASES = [
                                         "strategy.lighthouse=http://127.0.0.1:1"], "torchrun-quiet", 2, 2,
      "the torchft lighthouse at http://127.0.0.1:1 (strategy.lighthouse) cannot be reached"),
     # LoRA against the layout
-    ("cp-heads-not-divisible", ["strategy=fsdp", "strategy.cp=2", "model.num_kv_heads=1"], "torchrun-quiet", 2, 2,
-     "the llama model has 1 key/value heads, not divisible by strategy.tp x strategy.cp = 2"),
+    ("cp-heads-not-divisible", ["strategy=fsdp", "strategy.cp=2", "model.num_heads=1", "model.num_kv_heads=1"],
+     "torchrun-quiet", 2, 2, "the llama model has 1 attention heads, not divisible by strategy.tp x strategy.cp = 2"),
+    ("cp-mixing-outside-attention", ["model=hf", "model.name_or_path={tmp}/lfm2", "strategy=fsdp", "strategy.cp=2"],
+     "torchrun-quiet", 2, 2, "the lfm2 model mixes tokens outside attention (its conv layers)"),
     ("cp-ring-on-cpu", ["strategy=fsdp", "strategy.cp=2", "strategy.cp_impl=ring", "train.device=cpu"],
      "torchrun-quiet", 2, 2, "strategy.cp_impl=ring needs CUDA attention kernels"),
     ("ep-on-a-dense-model", ["strategy=fsdp", "strategy.ep=2"], "torchrun-quiet", 2, 2,
@@ -92,6 +95,8 @@ CASES = [
 @pytest.mark.parametrize("name,overrides,launcher,nproc,code,expected", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_exits_with_one_clear_message(tmp_path, name, overrides, launcher, nproc, code, expected):
     files = _files(tmp_path)
+    if any("{tmp}/lfm2" in o for o in overrides):
+        make_model_folder("lfm2", files / "lfm2")  # short convolutions beside attention
     args = QUICK + [o.format(tmp=files) for o in overrides]
     if launcher == "python" and not any(o.startswith("strategy=") for o in overrides):
         args.append("strategy=single")

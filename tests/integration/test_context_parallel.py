@@ -107,6 +107,20 @@ def test_eager_attention_and_a_checkpoint_without_context_ranks(documents, refer
         assert r["grad_norm"] == pytest.approx(ref[r["step"]]["grad_norm"], rel=1e-6)
 
 
+def test_fewer_key_value_heads_than_context_ranks_are_repeated(documents, tmp_path):
+    """2 key/value heads over 4 context ranks (each rank's one a repeat), and 2 over tensor x context 2 x 2 (1 per
+    tensor-parallel rank, repeated over its 2 context ranks), eager kernel (the module's own group size is then
+    the rank's), packed documents: the one-process curve."""
+    kv2 = ["model.num_kv_heads=2", "model.attn_implementation=eager"]
+    single = tmp_path / "single"
+    ok(launch("python", _overrides(documents, ["strategy=single", *kv2]), single))
+    for name, extra in (("cp4", ["strategy=fsdp", "strategy.cp=4"]),
+                        ("tp2_x_cp2", ["strategy=fsdp_tp", "strategy.tp=2", "strategy.cp=2"])):
+        run = tmp_path / name
+        ok(launch("torchrun", _overrides(documents, [*extra, *kv2]), run, nproc=4))
+        check_parity(f"{name} with 2 key/value heads", metrics(run), metrics(single), steps=STEPS)
+
+
 def test_activations_per_rank_fall_with_the_context_degree_as_planned(tmp_path):
     """memory.json's activations (what backward keeps, measured by a saved-tensor hook) at cp=2 are about half
     those at cp=1 on the same 2 ranks, and the planner's estimate is within 15% of each measurement."""

@@ -33,12 +33,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import torch.distributed._functional_collectives as funcol
+from torch import nn
 
+from models.init import decoder_blocks
 from models.packing import takes_position_ids
 from tessera.errors import ModelError
 from trainer.data.datasets import IGNORE
 
 INNER_KERNELS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
+# Layer types (config.layer_types) whose only token mixing is attention; others (linear_attention, mamba, conv)
+# mix the sequence in layers of their own.
+ATTENTION_LAYERS = ("full_attention", "sliding_attention", "chunked_attention", "attention")
 
 
 def cp_problems(cfg, info, dims, device_type: str) -> List[str]:
@@ -65,16 +70,38 @@ def cp_problems(cfg, info, dims, device_type: str) -> List[str]:
     return problems
 
 
+def cp_model_problems(model: nn.Module, cp: int) -> List[str]:
+    """Whether the model (on the meta device) mixes tokens only in its attention: a convolution over the sequence
+    (Mamba, gated delta nets, short convolutions) or a linear-attention layer would run on a rank's shard alone and
+    silently train another model."""
+    if cp <= 1:
+        return []
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    others = sorted(set(getattr(config, "layer_types", None) or ()) - set(ATTENTION_LAYERS))
+    where = f"its {', '.join(others)} layers" if others else next(
+        (f"{type(m).__name__} {block}.{sub}" for block, b in decoder_blocks(model) for sub, m in b.named_modules()
+         if isinstance(m, nn.Conv1d)), None)
+    if where is None:
+        return []
+    return [f"strategy.cp={cp}: the {config.model_type} model mixes tokens outside attention ({where}), which would "
+            f"see only a rank's shard of each sequence; use strategy.cp=1"]
+
+
 def _ulysses_problems(text, impl: str, cp: int, tp: int) -> List[str]:
     problems = []
     heads = getattr(text, "num_attention_heads", None)
     kv = getattr(text, "num_key_value_heads", None) or heads
-    for what, n in (("attention heads", heads), ("key/value heads", kv)):
-        if n is None or n % (tp * cp):
-            problems.append(f"strategy.cp={cp} (cp_impl=ulysses) splits the {what} of each tensor-parallel rank "
-                            f"over the context ranks: the {text.model_type} model has {n} {what}, not divisible "
-                            f"by strategy.tp x strategy.cp = {tp * cp}; use a degree that divides it or "
-                            f"strategy.cp_impl=ring")
+    if heads is None or heads % (tp * cp):
+        problems.append(f"strategy.cp={cp} (cp_impl=ulysses) splits the attention heads of each tensor-parallel "
+                        f"rank over the context ranks: the {text.model_type} model has {heads} attention heads, not "
+                        f"divisible by strategy.tp x strategy.cp = {tp * cp}; use a degree that divides it or "
+                        f"strategy.cp_impl=ring")
+    elif kv % tp or (kv // tp) % cp and cp % (kv // tp):
+        # fewer key/value heads than context ranks are repeated (each rank gets the one its query heads read)
+        problems.append(f"strategy.cp={cp} (cp_impl=ulysses) splits the key/value heads of each tensor-parallel "
+                        f"rank over the context ranks, or repeats them where there are fewer: the "
+                        f"{text.model_type} model has {kv} key/value heads, {kv}/strategy.tp={tp} per rank, which "
+                        f"strategy.cp must divide or be divided by; change strategy.cp or strategy.tp")
     if impl not in INNER_KERNELS:
         problems.append(f"strategy.cp={cp}: attention implementation {impl!r} cannot be split (ulysses runs "
                         f"around {', '.join(INNER_KERNELS)}); set model.attn_implementation=sdpa")
@@ -251,11 +278,13 @@ class ContextParallel:
                                  f"attention sinks: use strategy.cp_impl=ulysses")
             return _ring_attention(query, key, value, kwargs.get("scaling")), None
         n, g, heads = self.size, self.group, query.shape[1]
+        key, value = _kv_for_every_rank(module, heads, key, value, n)
         q, k, v = (_seq_to_heads(x, g, n)[:, :, self.inverse] for x in (query, key, value))
         if self.inner.startswith("flash") and self.documents is not None:
             kwargs["position_ids"] = self.positions  # the varlen kernel finds the documents from them
         inner = self._inner_function(module)
-        module, kwargs = _on_heads(module, kwargs, heads, slice(self.rank * heads // n, (self.rank + 1) * heads // n))
+        module, kwargs = _on_heads(module, kwargs, heads, slice(self.rank * heads // n, (self.rank + 1) * heads // n),
+                                   q.shape[1] // k.shape[1])
         mask = self._mask(q, kwargs.get("sliding_window"), chunk_size(module))
         out, _ = inner(module, q, k, v, mask, **kwargs)
         return _heads_to_seq(out[:, self.order], g, n), None
@@ -321,17 +350,33 @@ class _HeadsView:
         return self._sliced[name] if name in self._sliced else getattr(self._module, name)
 
 
-def _on_heads(module, kwargs: dict, heads: int, mine: slice):
-    """The module and kernel arguments for this rank's `mine` of the `heads` query heads: one value per head
-    (gpt-oss's sinks, also passed as `s_aux`) sliced. Their gradient reaches the whole parameter, and each rank
-    adds its heads' part as the gradients are summed over the context group."""
+def _kv_for_every_rank(module, heads: int, key: torch.Tensor, value: torch.Tensor, n: int):
+    """Keys and values with a head count the n context ranks can split: fewer key/value heads than ranks (Falcon's
+    multi-query attention, 1) are repeated so that each rank gets the one its query heads read (the repeats'
+    gradients add up); query heads must divide."""
+    kv = key.shape[1]
+    if heads % n or (kv % n and n % kv):
+        raise ModelError(f"strategy.cp={n} (cp_impl=ulysses): {type(module).__name__} runs {heads} query and {kv} "
+                         f"key/value heads per rank; the query heads must divide by strategy.cp, and the key/value "
+                         f"heads divide by it or it by them; change strategy.cp or strategy.tp")
+    if kv % n == 0:
+        return key, value
+    return key.repeat_interleave(n // kv, dim=1), value.repeat_interleave(n // kv, dim=1)
+
+
+def _on_heads(module, kwargs: dict, heads: int, mine: slice, groups: int):
+    """The module and kernel arguments for this rank's `mine` of the `heads` query heads, `groups` query heads per
+    key/value head on this rank: one value per head (gpt-oss's sinks, also passed as `s_aux`) sliced. Their
+    gradient reaches the whole parameter, and each rank adds its heads' part as the gradients are summed over the
+    context group."""
     own = {k: p for k, p in module.named_parameters(recurse=False)
            if k not in ("weight", "bias") and p.dim() >= 1 and p.shape[0] == heads}
-    if not own:
+    sliced = {} if getattr(module, "num_key_value_groups", groups) == groups else {"num_key_value_groups": groups}
+    if not own and not sliced:
         return module, kwargs
     by_id = {id(p): p[mine] for p in own.values()}
     kwargs = {k: by_id.get(id(v), v) for k, v in kwargs.items()}
-    return _HeadsView(module, {k: by_id[id(p)] for k, p in own.items()}), kwargs
+    return _HeadsView(module, {**sliced, **{k: by_id[id(p)] for k, p in own.items()}}), kwargs
 
 
 def _ring_attention(query, key, value, scaling) -> torch.Tensor:

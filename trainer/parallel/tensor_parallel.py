@@ -108,28 +108,35 @@ def _MlaKvDownProjection(rope_dim: Optional[int]):
     return MlaKvDownProjection()
 
 
-def _WholeOnEveryRank():
+def _WholeOnEveryRank(with_unsplit_children: bool = False):
     """A module kept whole on every rank that computes the same on each (mixture-of-experts experts: routing,
     grouped matmuls): parameters are replicated DTensors (one kind of parameter for the optimizer) but its
     forward runs on their local tensors, since DTensor has no rule (or a narrower one) for its data-dependent
-    ops. The gradient comes back Replicate; every rank computed the same, so no reduction is needed."""
+    ops. The gradient comes back Replicate; every rank computed the same, so no reduction is needed.
+    `with_unsplit_children`: so do the submodules the plan leaves whole, whose weights such a module may use
+    directly (Qwen3.5's linear attention passes its conv1d's weight to a convolution function)."""
     class WholeOnEveryRank(ParallelStyle):
         def _apply(self, module, device_mesh):
-            _replicate_parameters(module, device_mesh)
+            local = [m for m in module.modules() if m is module or with_unsplit_children and not any(
+                isinstance(p, DTensor) for p in m.parameters(recurse=False))]
+            for m in local:
+                _replicate_parameters(m, device_mesh)
 
             # A plain tensor in a parameter's place: no public API registers one (setattr wants a Parameter).
             def local_params(mod, args, kwargs):
-                saved = {k: p for k, p in mod._parameters.items() if isinstance(p, DTensor)}
+                saved = [(m, {k: p for k, p in m._parameters.items() if isinstance(p, DTensor)}) for m in local]
                 mod._tessera_dtensor_params = saved
-                for k, p in saved.items():
-                    mod._parameters[k] = p.to_local()  # differentiable: the gradient reaches the DTensor
+                for m, params in saved:
+                    for k, p in params.items():
+                        m._parameters[k] = p.to_local()  # differentiable: the gradient reaches the DTensor
                 args = tuple(a.to_local() if isinstance(a, DTensor) else a for a in args)
                 kwargs = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in kwargs.items()}
                 return args, kwargs
 
             def restore(mod, args, output):
-                mod._parameters.update(mod._tessera_dtensor_params)
-                mod._tessera_dtensor_params = {}
+                for m, params in mod._tessera_dtensor_params:
+                    m._parameters.update(params)
+                mod._tessera_dtensor_params = []
                 return output
 
             module.register_forward_pre_hook(local_params, with_kwargs=True)
@@ -219,12 +226,14 @@ def _replicate_the_rest(part, tp_mesh) -> None:
         own = [p for p in module.parameters(recurse=False)]
         if own and not all(isinstance(p, DTensor) for p in own) and not all(id(p) in done for p in own):
             if any(True for c in module.children() for _ in c.parameters()):
-                # A module with parameters of its own beside its children's (attention sinks): its forward mixes
-                # them with its children's plain outputs, so it runs on their local tensors.
-                parallelize_module(module, tp_mesh, _WholeOnEveryRank())
+                # A module with parameters of its own beside its children's (attention sinks, linear attention):
+                # its forward mixes them with its children's plain outputs (or uses the weights of children the
+                # plan leaves whole), so it runs on their local tensors.
+                parallelize_module(module, tp_mesh, _WholeOnEveryRank(with_unsplit_children=True))
+                done.update(id(p) for p in module.parameters())
             else:
                 distribute_module(module, tp_mesh, input_fn=_replicated_inputs, output_fn=_local_outputs)
-            done.update(id(p) for p in module.parameters(recurse=False))
+                done.update(id(p) for p in module.parameters(recurse=False))
 
 
 def grads_in_param_layout(module) -> None:

@@ -182,7 +182,9 @@ def activation_bytes(cfg, info, dims, num_layers: int) -> float:
 def _block_bytes(cfg, info, dims, tokens: float, a: int) -> tuple:
     """(a decoder block's saved bytes for `tokens` tokens of `a` bytes each, the same block checkpointed: its input
     only)."""
-    h, hkv = info.hidden_size, info.hidden_size * info.num_kv_heads // max(info.num_heads, 1)
+    h = info.hidden_size
+    # no attention heads (a state-space model): its projections counted as full-width keys and values
+    hkv = h * info.num_kv_heads // info.num_heads if info.num_heads and info.num_kv_heads else h
     inter = getattr(info.hf_config, "intermediate_size", None) or getattr(info.hf_config, "n_inner", None) or 4 * h
     # per token and block: norm inputs/outputs, q, k, v, attention output, o_proj input, MLP gate/up/act/product
     split_values = (h + 2 * hkv + h + 4 * inter) / max(dims.tp, 1)

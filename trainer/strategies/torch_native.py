@@ -45,7 +45,8 @@ from trainer.checkpoint.saved import SavedCheckpoint
 from trainer.config import schema as C
 from trainer.data.datasets import IGNORE
 from trainer.parallel import fsdp as F2
-from trainer.parallel.context_parallel import ContextParallel, cp_problems, sharded_or_whole, total_over
+from trainer.parallel.context_parallel import (ContextParallel, cp_model_problems, cp_problems, sharded_or_whole,
+                                               total_over)
 from trainer.parallel.dims import device_type
 from trainer.parallel.expert_parallel import apply_ep, ep_problems, expert_modules
 from trainer.parallel.grad_norm import clip_to_norm, world_square_sum
@@ -147,7 +148,7 @@ class TorchNativeStrategy(Strategy):
                             f"tensor-parallel degree {dims.tp}, pipeline degree {dims.pp}): adapters hold a small "
                             f"fraction of the parameters, so shard the frozen base with strategy=fsdp or hsdp (or "
                             f"a ZeRO stage) instead")
-        problems += cp_problems(cfg, info, dims, device_type(cfg.train.device))
+        problems += cp_problems(cfg, info, dims, device_type(cfg.train.device)) + cp_model_problems(model, dims.cp)
         problems += cls._ep_problems(cfg, dims, model)
         if dims.pp > 1 and cfg.data.kind == "mixture":
             problems.append(f"data.kind=mixture is not available with pipeline parallelism (strategy.pp={dims.pp}): "

@@ -71,6 +71,23 @@ def test_pipeline_splits():
     assert split.layers == "transformer.h" and split.zeroed_on_later_stages == ["transformer.wpe"]
 
 
+@pytest.mark.parametrize("arch,first,last", [
+    # LFM2's final norm is named embedding_norm but declared (and run) after the blocks
+    ("lfm2", ["model.embed_tokens"], ["model.embedding_norm", "lm_head"]),
+    # Bloom's norm of the embeddings runs before them
+    ("bloom", ["transformer.word_embeddings", "transformer.word_embeddings_layernorm"],
+     ["transformer.ln_f", "lm_head"]),
+    # OPT declares its input projection and its final norm before the blocks
+    ("opt", ["model.decoder.embed_tokens", "model.decoder.embed_positions"], ["model.decoder.final_layer_norm",
+                                                                               "lm_head"]),
+])
+def test_pipeline_split_puts_embedding_named_modules_where_they_run(arch, first, last):
+    from tests.archs import make_config
+
+    split = plans.pipeline_split(meta_model(make_config(arch)))
+    assert (split.first, split.last) == (first, last)
+
+
 def _problems(overrides, world_size):
     with pytest.raises(ConfigError) as e:
         check(compose_config(SMALL + overrides), world_size)
@@ -116,3 +133,14 @@ def test_valid_layouts_pass():
     for overrides, world in ((["strategy=tp"], 2), (["strategy=pp", "strategy.pp_schedule=interleaved_1f1b"], 2),
                              (["strategy=fsdp_tp"], 4), (["strategy=pp_fsdp"], 4), (["strategy=3d"], 8)):
         check(compose_config(SMALL + overrides + ["train.micro_batch_size=2"]), world)
+
+
+def test_learned_activations_beside_split_projections_sum_their_gradient_over_the_ranks():
+    """Apertus' xIELU scalars act on a rank's columns of the up-projection: replicated, gradient all-reduced;
+    activations without parameters (Llama's SiLU) are not in the plan."""
+    from tests.archs import make_config
+
+    plan = plans.tp_plan(meta_model(make_config("apertus")), 2)
+    assert plan["model.layers.*.mlp.act_fn"] == "replicated_with_grad_allreduce"
+    assert plan["model.layers.*.mlp.up_proj"] == "colwise"
+    assert not any("act_fn" in k for k in plans.tp_plan(meta_model(make_config("llama")), 2))

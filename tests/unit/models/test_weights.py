@@ -30,7 +30,19 @@ def _gpt2():
     return GPT2LMHeadModel(cfg).eval()
 
 
-MODELS = {"llama": _llama, "gpt2": _gpt2}
+def _apertus():
+    """Apertus' xIELU activation has 0-dim buffers in the checkpoint (beta, eps): read whole, never sliced."""
+    from transformers import ApertusConfig, ApertusForCausalLM
+
+    torch.manual_seed(0)
+    cfg = ApertusConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = ApertusForCausalLM(cfg).eval()
+    assert any(t.dim() == 0 for t in model.state_dict().values())
+    return model
+
+
+MODELS = {"llama": _llama, "gpt2": _gpt2, "apertus": _apertus}
 # layout -> (save_pretrained kwargs, or None: torch.save as transformers 4 did; files that must be there)
 LAYOUTS = {
     "safetensors": ({}, ["model.safetensors"]),

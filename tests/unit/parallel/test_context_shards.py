@@ -11,6 +11,7 @@ from transformers import GPT2Config, LlamaConfig, Qwen3Config
 
 from trainer.parallel.context_parallel import cp_problems, document_ids, shard_order
 from trainer.parallel.dims import ParallelDims
+from tessera.errors import ModelError
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
@@ -63,15 +64,70 @@ LLAMA = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, num_h
 
 
 def test_heads_split_over_tensor_and_context_ranks():
+    """Query heads per tensor-parallel rank divide by cp; key/value heads divide by it, or it by them (each context
+    rank then gets a repeat of the one its query heads read)."""
     info = _info(LlamaConfig(**LLAMA))
-    ok = ParallelDims(1, 1, 1, 1, 2, cp=2)
-    assert cp_problems(_cfg(cp=2), info, ok, "cpu") == []
-    problems = cp_problems(_cfg(cp=4), info, ParallelDims(1, 1, 1, 1, 4, cp=4), "cpu")
-    assert problems == ["strategy.cp=4 (cp_impl=ulysses) splits the key/value heads of each tensor-parallel rank "
-                        "over the context ranks: the llama model has 2 key/value heads, not divisible by "
-                        "strategy.tp x strategy.cp = 4; use a degree that divides it or strategy.cp_impl=ring"]
-    # 8 heads / tp 2 = 4 per rank, 2 key/value heads / tp 2 = 1: not divisible by cp 2
-    assert "key/value heads" in cp_problems(_cfg(cp=2, tp=2), info, ParallelDims(1, 1, 2, 1, 4, cp=2), "cpu")[0]
+    assert cp_problems(_cfg(cp=2), info, ParallelDims(1, 1, 1, 1, 2, cp=2), "cpu") == []
+    # 2 key/value heads over 4 context ranks: repeated; 8 heads / tp 2 = 4 per rank, 1 key/value head per rank
+    assert cp_problems(_cfg(cp=4), info, ParallelDims(1, 1, 1, 1, 4, cp=4), "cpu") == []
+    assert cp_problems(_cfg(cp=2, tp=2), info, ParallelDims(1, 1, 2, 1, 4, cp=2), "cpu") == []
+    three = _info(LlamaConfig(**{**LLAMA, "num_attention_heads": 6, "num_key_value_heads": 3, "hidden_size": 48}))
+    assert cp_problems(_cfg(cp=2), three, ParallelDims(1, 1, 1, 1, 2, cp=2), "cpu") == [
+        "strategy.cp=2 (cp_impl=ulysses) splits the key/value heads of each tensor-parallel rank over the context "
+        "ranks, or repeats them where there are fewer: the llama model has 3 key/value heads, 3/strategy.tp=1 per "
+        "rank, which strategy.cp must divide or be divided by; change strategy.cp or strategy.tp"]
+    problems = cp_problems(_cfg(cp=4), three, ParallelDims(1, 1, 1, 1, 4, cp=4), "cpu")
+    assert len(problems) == 1 and "the llama model has 6 attention heads, not divisible by strategy.tp x " \
+                                  "strategy.cp = 4" in problems[0]
+
+
+def test_fewer_key_value_heads_than_context_ranks_are_repeated_for_the_ranks_query_heads():
+    """Falcon's multi-query attention (1 key/value head) over 2 context ranks: each rank's share of the repeated
+    heads is the head its query heads read, the kernel is told its own group size, and the repeats' gradients
+    add up in the one head."""
+    from trainer.parallel.context_parallel import _kv_for_every_rank, _on_heads
+
+    module = torch.nn.Module()
+    module.num_key_value_groups = 8
+    key = torch.randn(1, 1, 4, 2, requires_grad=True)
+    k, v = _kv_for_every_rank(module, 8, key, key * 2, 2)
+    assert k.shape == (1, 2, 4, 2) and torch.equal(k[:, 0], k[:, 1]) and torch.equal(v, 2 * k)
+    k.sum().backward()
+    assert torch.equal(key.grad, torch.full_like(key, 2.0))
+    gqa = torch.randn(1, 4, 4, 2)  # 4 key/value heads over 2 ranks: split, not repeated
+    assert _kv_for_every_rank(module, 8, gqa, gqa, 2)[0] is gqa
+    view, _ = _on_heads(module, {}, 8, slice(0, 4), 4)  # 4 query heads per key/value head on this rank
+    assert view.num_key_value_groups == 4
+    with pytest.raises(ModelError, match="runs 8 query and 3 key/value heads per rank"):
+        _kv_for_every_rank(module, 8, torch.randn(1, 3, 4, 2), torch.randn(1, 3, 4, 2), 2)
+
+
+@pytest.mark.parametrize("kind,where", [
+    ("qwen3_5_text", "its linear_attention layers"),
+    ("lfm2", "its conv layers"),
+    ("mamba", "its linear_attention layers"),  # transformers lists Mamba's mixers as linear attention
+])
+def test_a_model_mixing_tokens_outside_attention_is_refused(kind, where):
+    """Linear attention, short convolutions and state-space scans would run on a rank's shard of the sequence
+    alone: refused before training, by the layer types or a convolution inside the blocks."""
+    from transformers import AutoConfig
+
+    from models.init import meta_model
+    from trainer.parallel.context_parallel import cp_model_problems
+
+    config = AutoConfig.for_model(kind, hidden_size=64, num_hidden_layers=4, vocab_size=320, num_attention_heads=4,
+                                  num_key_value_heads=2)
+    if kind == "lfm2":
+        config.layer_types = ["conv", "full_attention", "conv", "full_attention"]
+    model = meta_model(config)
+    problems = cp_model_problems(model, 2)
+    assert len(problems) == 1 and f"the {kind} model mixes tokens outside attention" in problems[0], problems
+    assert where in problems[0] and problems[0].endswith("use strategy.cp=1")
+    assert cp_model_problems(model, 1) == []
+    if kind == "lfm2":  # no layer types to read: the convolution inside the blocks is found
+        model.config.layer_types = None
+        assert "(Conv1d model.layers.0.conv.conv)" in cp_model_problems(model, 2)[0]
+    assert cp_model_problems(meta_model(LlamaConfig(**LLAMA)), 2) == []
 
 
 def test_sequence_and_positions_problems_and_pipeline_stages_accepted():
@@ -130,13 +186,13 @@ def test_per_head_parameters_are_sliced_to_this_ranks_heads():
     module = torch.nn.Module()
     module.sinks = torch.nn.Parameter(torch.arange(4.0))
     module.scaling = 0.5
-    view, kwargs = _on_heads(module, {"s_aux": module.sinks, "sliding_window": 16}, 4, slice(2, 4))
+    view, kwargs = _on_heads(module, {"s_aux": module.sinks, "sliding_window": 16}, 4, slice(2, 4), 1)
     assert view.sinks.tolist() == [2.0, 3.0] and kwargs["s_aux"].tolist() == [2.0, 3.0]
     assert view.scaling == 0.5 and kwargs["sliding_window"] == 16
     view.sinks.sum().backward()
     assert module.sinks.grad.tolist() == [0.0, 0.0, 1.0, 1.0]
     plain = torch.nn.Linear(2, 2)
-    assert _on_heads(plain, {"x": 1}, 2, slice(0, 1)) == (plain, {"x": 1})  # no per-head parameter of its own
+    assert _on_heads(plain, {"x": 1}, 2, slice(0, 1), 1) == (plain, {"x": 1})  # no per-head parameter of its own
 
 
 def test_learned_positions_split_too_and_unknown_kernels_are_refused():

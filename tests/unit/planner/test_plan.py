@@ -192,3 +192,24 @@ def test_preference_pairs_double_the_rows_and_a_live_reference_holds_the_model_a
     lora, _, _ = _est(["strategy=fsdp", "peft=lora", *pairs, "objective.reference=on_the_fly"], 2)
     simpo, _, _ = _est(["strategy=fsdp", *pairs, "objective=simpo"], 2)
     assert lora.reference == 0 and simpo.reference == 0
+
+
+def test_a_state_space_model_without_attention_heads_is_planned_and_refused_where_it_cannot_split(tmp_path, capsys):
+    """Mamba has no attention heads (num_attention_heads unset): the planner estimates it, and tensor and context
+    parallelism refuse it with their messages, not a TypeError from a head count of None."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    folder = tmp_path / "mamba"
+    tok = embedded_tokenizer()
+    MambaForCausalLM(MambaConfig(vocab_size=320, hidden_size=64, num_hidden_layers=2, state_size=8,
+                                 pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                                 eos_token_id=tok.eos_token_id)).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    overrides = ["model=hf", f"model.name_or_path={folder}", "data.embedded_documents=50", "data.seq_len=32",
+                 "train.micro_batch_size=1", "train.global_batch_size=8"]
+    assert P.main(overrides + ["strategy=fsdp", "plan.world_size=2"]) == 0
+    assert "activations" in capsys.readouterr().out
+    assert P.main(overrides + ["strategy=tp", "plan.world_size=2"]) == 2
+    assert "mamba architecture has no tensor-parallel plan" in capsys.readouterr().out
+    assert P.main(overrides + ["strategy=fsdp", "strategy.cp=2", "plan.world_size=2"]) == 2
+    assert "the mamba model mixes tokens outside attention" in capsys.readouterr().out
