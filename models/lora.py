@@ -72,7 +72,29 @@ def inject(model: nn.Module, p, base_name_or_path: Optional[str] = None) -> "Ada
                                  f"{model.config.model_type}; its linear layers: {', '.join(linear_names(model))}"
                                  ) from None
             raise ModelError(f"peft: {one_line(e)}") from None
+    _refuse_adapted_parameters(model, p)
     return Adapters(model)
+
+
+def _refuse_adapted_parameters(model: nn.Module, p) -> None:
+    """peft adapts the fused 3-D experts of transformers 5's mixture-of-experts blocks as parameters (its
+    ParamWrapper: `all-linear`, or the v4 names gate_proj/up_proj/down_proj, map onto them); Tessera's adapters
+    (seeding, merged export, PEFT's adapter files) cover LoRA layers on modules only."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    def pattern(name):
+        return re.sub(r"\.\d+\.", ".*.", name.replace(".base_layer", ""))
+
+    wrapped = {pattern(n) + "." + m.parameter_name for n, m in model.named_modules() if isinstance(m, ParamWrapper)}
+    # a router subclassing nn.Linear that returns more than logits (Llama 4's, PhiMoE's): peft's layer takes its
+    # output for a tensor
+    wrapped |= {pattern(n) for n, m in model.named_modules()
+                if not isinstance(m, ParamWrapper) and type(getattr(m, "base_layer", None)).__name__.endswith("Router")}
+    if wrapped:
+        raise ModelError(f"peft.target_modules={list(p.target_modules)} adapts parameters of "
+                         f"{model.config.model_type}'s mixture-of-experts blocks ({', '.join(sorted(wrapped))}: the "
+                         f"fused experts or the router), which Tessera's LoRA does not support; name the other "
+                         f"layers, e.g. peft.target_modules=[q_proj,k_proj,v_proj,o_proj]")
 
 
 def linear_names(model: nn.Module) -> List[str]:

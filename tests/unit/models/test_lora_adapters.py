@@ -133,6 +133,25 @@ def test_peft_keys_need_peft_lora_and_a_tied_head_stays_untouched(compose):
     _one(problems, "ties its output head to the input embedding", "lm_head")
 
 
+@pytest.mark.parametrize("arch,adapted", [
+    # peft maps all-linear (transformers 4's expert projections and router) onto the fused 3-D experts
+    ("qwen3_moe", "model.layers.*.mlp.experts.down_proj, model.layers.*.mlp.experts.gate_up_proj, "
+                  "model.layers.*.mlp.gate.weight"),
+    # a router subclassing nn.Linear that returns (scores, logits): peft's layer would fail in the first forward
+    ("llama4", "model.layers.*.feed_forward.router"),
+])
+def test_lora_on_the_fused_experts_or_a_router_is_refused_and_attention_adapters_pass(arch, adapted):
+    config = archs.make_config(arch)
+    problems = lora.model_problems(SimpleNamespace(peft=SimpleNamespace(
+        name="lora", adapter=None, r=4, alpha=8, dropout=0.0, target_modules=["all-linear"], modules_to_save=[])),
+        config)
+    assert len(problems) == 1 and f"({adapted}: the fused experts or the router)" in problems[0], problems
+    assert "peft.target_modules=[q_proj,k_proj,v_proj,o_proj]" in problems[0]
+    assert lora.model_problems(SimpleNamespace(peft=SimpleNamespace(
+        name="lora", adapter=None, r=4, alpha=8, dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+        modules_to_save=[])), config) == []
+
+
 def test_pipeline_parallelism_refuses_lora(compose):
     _one(_problems(compose, ["peft=lora", "strategy=pp", "model.num_layers=4"], world_size=2),
          "peft=lora is not available with tensor or pipeline parallelism", "pipeline degree 2")
