@@ -96,7 +96,7 @@ def _ulysses_problems(text, impl: str, cp: int, tp: int) -> List[str]:
                         f"rank over the context ranks: the {text.model_type} model has {heads} attention heads, not "
                         f"divisible by strategy.tp x strategy.cp = {tp * cp}; use a degree that divides it or "
                         f"strategy.cp_impl=ring")
-    elif kv % tp or (kv // tp) % cp and cp % (kv // tp):
+    elif (kv // tp) % cp and cp % (kv // tp):  # kv % tp: the tensor-parallel check says so
         # fewer key/value heads than context ranks are repeated (each rank gets the one its query heads read)
         problems.append(f"strategy.cp={cp} (cp_impl=ulysses) splits the key/value heads of each tensor-parallel "
                         f"rank over the context ranks, or repeats them where there are fewer: the "
