@@ -10,8 +10,9 @@ the packed documents' own, restarting per document.
 `cp_impl=ulysses` (any attention kernel, CPU included): around the model's attention function, one all-to-all
 turns a rank's [its tokens, all heads] into [all tokens, its 1/N of the heads]; the kernel runs on whole sequences,
 with a mask built here from the whole sequence's token order, documents and the layer's sliding window; a second
-all-to-all returns [its tokens, all heads]. Needs heads and key/value heads (per tensor-parallel rank) divisible by
-N. `cp_impl=ring`: torch's context-parallel SDPA (ring attention over the context group), causal attention of
+all-to-all returns [its tokens, all heads]. Needs heads (per tensor-parallel rank) divisible by N; key/value heads
+divisible by N, or fewer that divide N (repeated: multi-query attention). Models that mix tokens outside attention
+(linear attention, state-space scans, convolutions) are refused. `cp_impl=ring`: torch's context-parallel SDPA (ring attention over the context group), causal attention of
 whole sequences only, on CUDA kernels.
 
 The model's attention goes through transformers' attention interface under a name of our own (registered here),
