@@ -21,6 +21,11 @@ from torch import nn
 from models.loading import causal_lm_class
 
 
+def text_config(config):
+    """The language model's config: a multimodal config's text part (`get_text_config`), else the config itself."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def decoder_blocks(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     """(qualified name, module) of the model's repeated blocks: the items of the nn.ModuleList that holds the
     most parameter tensors (the outermost one on a tie). Found from the module tree alone, so it holds for any

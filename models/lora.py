@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from models.init import meta_model
+from models.plans import layer_pattern
 from models.weights import CheckpointWeights
 from tessera.errors import ModelError, one_line
 
@@ -83,7 +84,7 @@ def _refuse_adapted_parameters(model: nn.Module, p) -> None:
     from peft.tuners.lora.layer import ParamWrapper
 
     def pattern(name):
-        return re.sub(r"\.\d+\.", ".*.", name.replace(".base_layer", ""))
+        return layer_pattern(name.replace(".base_layer", ""))
 
     wrapped = {pattern(n) + "." + m.parameter_name for n, m in model.named_modules() if isinstance(m, ParamWrapper)}
     # a router subclassing nn.Linear that returns more than logits (Llama 4's, PhiMoE's): peft's layer takes its

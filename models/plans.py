@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Tuple
 
 from torch import nn
 
-from models.init import base_model_path, decoder_blocks
+from models.init import base_model_path, decoder_blocks, text_config
 
 # Hugging Face's plan styles that Tessera applies (trainer/parallel/tensor_parallel.py). `moe_tp_experts`:
 # the experts stay whole on every rank (their parameter-level entries, `packed_colwise` and the like, are then
@@ -36,10 +36,15 @@ _OWN_TP_PLANS = {
 }
 
 
+def layer_pattern(name: str) -> str:
+    """A module name with its layer (and expert) indices as `*`, as plans name modules: `model.layers.*.mlp`."""
+    return re.sub(r"\.\d+\.", ".*.", name)
+
+
 def ties_embeddings(model) -> bool:
     """Whether the input embedding and the LM head are one weight."""
     config = model.config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     if embed is not None and head is not None and getattr(head, "weight", None) is getattr(embed, "weight", 0):
         return True
@@ -75,7 +80,7 @@ def tp_plan(model, tp: int) -> Optional[Dict[str, str]]:
         # transformers >= 5.25 lists the experts in its expert-parallel plan only: they stay whole here too.
         for name, _ in model.named_modules():
             if name.rpartition(".")[2] == "experts":
-                plan[re.sub(r"\.\d+\.", ".*.", name)] = "moe_tp_experts"
+                plan[layer_pattern(name)] = "moe_tp_experts"
     # Experts stay whole (moe_tp_experts): their parameter-level entries (packed_colwise, ...) do not apply.
     whole = [k for k, v in plan.items() if v == "moe_tp_experts"]
     plan = {k: v for k, v in plan.items() if not any(k.startswith(w + ".") for w in whole)}
@@ -103,7 +108,7 @@ def _learned_activations(model, plan: dict) -> Dict[str, str]:
     this rank's columns, so their gradient is a partial sum over the tensor-parallel ranks
     (`replicated_with_grad_allreduce`, as Hugging Face's plans name the per-head norms)."""
     split = {n.rpartition(".")[0] for n, st in resolve_plan(model, plan).items() if st == "colwise"}
-    return {re.sub(r"\.\d+\.", ".*.", name): "replicated_with_grad_allreduce" for name, m in model.named_modules()
+    return {layer_pattern(name): "replicated_with_grad_allreduce" for name, m in model.named_modules()
             if name.rpartition(".")[0] in split and "act" in name.rpartition(".")[2]
             and any(True for _ in m.parameters(recurse=False))}
 

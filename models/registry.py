@@ -12,7 +12,7 @@ from typing import Callable, Dict
 
 import torch
 
-from models.init import copy_full_tensors, initial_weights, meta_model
+from models.init import copy_full_tensors, initial_weights, meta_model, text_config
 from models.loading import causal_lm_class, load_message
 from models.lora import full_shape
 from models.packing import takes_position_ids
@@ -154,7 +154,7 @@ def describe(m, tokenizer) -> ModelInfo:
         raise ModelError(f"model: the {m.kind} config from model.* is invalid: {one_line(e)}") from None
     if get_spec(m.kind).pretrained:
         _require_causal_decoder(m, hf_config)
-    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    text = text_config(hf_config)
 
     def first(*names, default=None):
         for n in names:

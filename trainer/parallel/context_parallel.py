@@ -12,8 +12,8 @@ turns a rank's [its tokens, all heads] into [all tokens, its 1/N of the heads]; 
 with a mask built here from the whole sequence's token order, documents and the layer's sliding window; a second
 all-to-all returns [its tokens, all heads]. Needs heads (per tensor-parallel rank) divisible by N; key/value heads
 divisible by N, or fewer that divide N (repeated: multi-query attention). Models that mix tokens outside attention
-(linear attention, state-space scans, convolutions) are refused. `cp_impl=ring`: torch's context-parallel SDPA (ring attention over the context group), causal attention of
-whole sequences only, on CUDA kernels.
+(linear attention, state-space scans, convolutions) are refused. `cp_impl=ring`: torch's context-parallel SDPA (ring
+attention over the context group), causal attention of whole sequences only, on CUDA kernels.
 
 The model's attention goes through transformers' attention interface under a name of our own (registered here),
 so no mask is built by the model from the shard's positions; the first forward checks that the function was
@@ -36,7 +36,7 @@ import torch.nn.functional as F
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
-from models.init import decoder_blocks
+from models.init import decoder_blocks, text_config
 from models.packing import takes_position_ids
 from tessera.errors import ModelError
 from trainer.data.datasets import IGNORE
@@ -52,7 +52,7 @@ def cp_problems(cfg, info, dims, device_type: str) -> List[str]:
     s, cp = cfg.strategy, dims.cp
     if cp == 1:
         return [] if s.cp_impl == "ulysses" else ["strategy.cp_impl=ring is read with strategy.cp > 1 only"]
-    text = info.hf_config.get_text_config() if hasattr(info.hf_config, "get_text_config") else info.hf_config
+    text = text_config(info.hf_config)
     problems = []
     if s.sequence_parallel:
         problems.append("strategy.sequence_parallel=true with strategy.cp > 1 is not supported (both split the "
@@ -77,7 +77,7 @@ def cp_model_problems(model: nn.Module, cp: int) -> List[str]:
     silently train another model."""
     if cp <= 1:
         return []
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = text_config(model.config)
     others = sorted(set(getattr(config, "layer_types", None) or ()) - set(ATTENTION_LAYERS))
     where = f"its {', '.join(others)} layers" if others else next(
         (f"{type(m).__name__} {block}.{sub}" for block, b in decoder_blocks(model) for sub, m in b.named_modules()

@@ -33,7 +33,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from models.init import meta_model
+from models.init import meta_model, text_config
 from tessera.errors import ConfigError
 
 # Hugging Face config keys that hold the number of routed experts (Mixtral/GPT-OSS, Qwen-MoE/OLMoE,
@@ -62,7 +62,7 @@ def expert_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
 
 def _config_expert_count(config) -> Optional[int]:
     """The number of routed experts a Hugging Face config declares (its text config's, for multimodal ones)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     for source in (text, config):
         for key in EXPERT_COUNT_KEYS:
             value = getattr(source, key, None)

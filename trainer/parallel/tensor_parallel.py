@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput,
                                                RowwiseParallel, SequenceParallel, parallelize_module)
 
-from models.init import decoder_blocks, retie, shared_parameters
+from models.init import decoder_blocks, retie, shared_parameters, text_config
 from models.plans import resolve_plan
 from tessera.errors import ModelError
 from trainer.observe import comm_bytes
@@ -148,7 +148,7 @@ def _WholeOnEveryRank(with_unsplit_children: bool = False):
 
 def apply_tp(part: nn.Module, plan: dict, tp_mesh, sequence_parallel: bool) -> None:
     ties = shared_parameters(part)
-    config = part.config.get_text_config() if hasattr(part.config, "get_text_config") else part.config
+    config = text_config(part.config)
     styles = _styles(sequence_parallel, getattr(config, "qk_rope_head_dim", None))
     unknown = sorted({st for st in plan.values() if st not in styles})
     if unknown:

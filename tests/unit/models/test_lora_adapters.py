@@ -141,15 +141,15 @@ def test_peft_keys_need_peft_lora_and_a_tied_head_stays_untouched(compose):
     ("llama4", "model.layers.*.feed_forward.router"),
 ])
 def test_lora_on_the_fused_experts_or_a_router_is_refused_and_attention_adapters_pass(arch, adapted):
-    config = archs.make_config(arch)
-    problems = lora.model_problems(SimpleNamespace(peft=SimpleNamespace(
-        name="lora", adapter=None, r=4, alpha=8, dropout=0.0, target_modules=["all-linear"], modules_to_save=[])),
-        config)
-    assert len(problems) == 1 and f"({adapted}: the fused experts or the router)" in problems[0], problems
-    assert "peft.target_modules=[q_proj,k_proj,v_proj,o_proj]" in problems[0]
-    assert lora.model_problems(SimpleNamespace(peft=SimpleNamespace(
-        name="lora", adapter=None, r=4, alpha=8, dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-        modules_to_save=[])), config) == []
+    def problems(targets):
+        peft = SimpleNamespace(name="lora", adapter=None, r=4, alpha=8, dropout=0.0, target_modules=targets,
+                               modules_to_save=[])
+        return lora.model_problems(SimpleNamespace(peft=peft), archs.make_config(arch))
+
+    refused = problems(["all-linear"])
+    assert len(refused) == 1 and f"({adapted}: the fused experts or the router)" in refused[0], refused
+    assert "peft.target_modules=[q_proj,k_proj,v_proj,o_proj]" in refused[0]
+    assert problems(["q_proj", "k_proj", "v_proj", "o_proj"]) == []
 
 
 def test_pipeline_parallelism_refuses_lora(compose):
