@@ -55,16 +55,35 @@ def base_model_path(model: nn.Module) -> str:
     return blocks[0][0].rpartition(".")[0].rpartition(".")[0] if blocks else ""
 
 
-def meta_model(hf_config) -> nn.Module:
+def meta_model(hf_config, dtype: torch.dtype = torch.float32) -> nn.Module:
     """The causal LM on the meta device (shapes only, no memory, no init). Its class is constructed directly:
-    `from_config` would build under DeepSpeed's partitioned init while a ZeRO-3 config is active."""
+    `from_config` would build under DeepSpeed's partitioned init while a ZeRO-3 config is active. In fp32, or
+    as Hugging Face builds a model in another `dtype` (`from_pretrained(dtype=...)`): what it creates in the
+    default dtype in `dtype`, what it computes in fp32 explicitly (rotary `inv_freq`) in fp32."""
     from transformers import AutoModelForCausalLM
 
     model_class = causal_lm_class(hf_config)
     with torch.device("meta"):
         if model_class is None:  # remote code (its config was only read with model.trust_remote_code=true)
-            return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, trust_remote_code=True)
-        return model_class(hf_config).float()
+            return AutoModelForCausalLM.from_config(hf_config, dtype=dtype, trust_remote_code=True)
+        if dtype == torch.float32:
+            return model_class(hf_config).float()
+        before = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            return model_class(hf_config)
+        finally:
+            torch.set_default_dtype(before)
+
+
+def buffers_in_model_dtype(hf_config) -> List[str]:
+    """Qualified names of the buffers that follow the model's dtype: floating-point buffers Hugging Face builds in
+    the default dtype, so that a model loaded in bf16 holds them in bf16 (XGLM's sinusoidal positions, MiniMax's
+    decay tables), not those it computes in fp32 whatever the dtype (rotary `inv_freq`, DeepSeek-V3's
+    `e_score_correction_bias`). 0-dim buffers are left out: a 0-dim tensor never promotes the bf16 tensor it
+    meets (Gemma's `embed_scale`, Apertus' xIELU `beta`), so their fp32 values stay as trained and exported."""
+    probe = torch.bfloat16
+    return [name for name, b in meta_model(hf_config, probe).named_buffers() if b.dtype == probe and b.dim() > 0]
 
 
 @torch.no_grad()

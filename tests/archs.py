@@ -230,11 +230,35 @@ ARCHITECTURES = OrderedDict((f.__name__, f) for f in (
     granite, bloom, llama4, gpt_oss, deepseek_v3, qwen3_5, lfm2, apertus))
 
 
+def xglm():
+    from transformers import XGLMConfig
+
+    # XGLM: a sinusoidal position table, a buffer Hugging Face builds in the model's dtype (multi-dimensional:
+    # it promotes what it is added to).
+    return XGLMConfig(**token_ids(), vocab_size=VOCAB, d_model=HIDDEN, num_layers=LAYERS, attention_heads=HEADS,
+                      ffn_dim=INTERMEDIATE, max_position_embeddings=POSITIONS, dropout=0.0, attention_dropout=0.0,
+                      activation_dropout=0.0)
+
+
+def minimax():
+    from transformers import MiniMaxConfig
+
+    # MiniMax: lightning (linear) attention in layers 0 and 2, whose decay tables are buffers in the model's dtype,
+    # full attention in 1 and 3; a mixture of 4 experts.
+    return MiniMaxConfig(**_common(num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, num_local_experts=4,
+                                   num_experts_per_tok=2, attention_dropout=0.0,
+                                   layer_types=["linear_attention", "full_attention"] * (LAYERS // 2)))
+
+
+# Architectures outside the matrix, for the tests of what they alone have (buffers in the model's dtype).
+MORE_ARCHITECTURES = OrderedDict((f.__name__, f) for f in (xglm, minimax))
+
+
 def make_config(name: str):
     """The tiny config of architecture `name` (bos/eos/pad ids: the embedded tokenizer's)."""
     from models.tokenizer import embedded_tokenizer
 
-    config = ARCHITECTURES[name]()
+    config = {**ARCHITECTURES, **MORE_ARCHITECTURES}[name]()
     assert len(embedded_tokenizer()) <= config.vocab_size, name
     for key, value in token_ids().items():
         assert getattr(config, key) == value, (name, key)

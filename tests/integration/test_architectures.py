@@ -1,4 +1,4 @@
-"""The architecture matrix: tiny random models of 13 transformers architectures (tests/archs.py, generated here,
+"""The architecture matrix: tiny random models of the transformers architectures in tests/archs.py (generated here,
 no downloads), each trained 3 steps under every layout with fp32 parity to single-process training, and the
 export loaded back with from_pretrained.
 
@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.archs import ARCHITECTURES, FP16_LAYOUTS, LAYOUTS, MOE_LAYOUTS, REFUSED, VOCAB, make_model_folder
+from tests.archs import (ARCHITECTURES, FP16_LAYOUTS, LAYOUTS, MOE_LAYOUTS, MORE_ARCHITECTURES, REFUSED, VOCAB,
+                         make_model_folder)
 from tests.integration import arch_worker as W
 from tests.warm import base_env, warm_env
 from tests.integration.conftest import (FP32_TOL, REPO, VENV_BIN, curve_errors, free_port, read_jsonl, rel_err,
@@ -57,13 +58,19 @@ OPTIMIZERS_RUN_ON = {"adafactor": ("single", "ddp", "pp"), "muon": ("single", "d
 OPTIMIZER_TOL = {"adafactor": TOL, "muon": 5e-4, "adamw_8bit": 5e-4}
 
 
+# bf16 on models with buffers in the model's dtype (tests/archs.py MORE_ARCHITECTURES), where the parameters are
+# cast without autocast: XGLM's position table under ZeRO-3 (DeepSpeed keeps buffers in fp32: its layer norm
+# failed), MiniMax's decay tables under FSDP (its blocks cast their inputs, not what they compute inside).
+BUFFER_JOBS = {"single": ["xglm:bf16", "minimax:bf16"], "zero3": ["xglm:bf16"], "fsdp": ["minimax:bf16"]}
+
+
 def jobs_of(layout: str) -> list:
     """Every architecture in fp32 with AdamW, then llama with SGD, Adafactor, Muon and 8-bit AdamW (or their
-    refusals) and in bf16 (every layout but the mixture-of-experts ones), and in fp16."""
+    refusals) and in bf16 (every layout but the mixture-of-experts ones), and in fp16; BUFFER_JOBS."""
     if layout in MOE_LAYOUTS:
         return list(ARCHS)
     return (ARCHS + ["llama:sgd"] + [f"llama:{o}" for o in OPTIMIZERS_RUN_ON] + ["llama:bf16"]
-            + (["llama:fp16"] if layout in FP16_LAYOUTS else []))
+            + (["llama:fp16"] if layout in FP16_LAYOUTS else []) + BUFFER_JOBS.get(layout, []))
 
 
 DENSE_LAYOUTS = [lay for lay in LAYOUTS if lay not in MOE_LAYOUTS]
@@ -79,7 +86,7 @@ KNOWN_FAILURES = {}
 def arch_models(tmp_path_factory) -> Path:
     """One folder per architecture (seeded random weights + the embedded tokenizer), made once per session."""
     root = tmp_path_factory.mktemp("arch-models")
-    for name in ARCHS:
+    for name in ARCHS + list(MORE_ARCHITECTURES):
         make_model_folder(name, root / name, seed=0)
     return root
 
@@ -374,6 +381,18 @@ def test_bf16_export_writes_the_masters_in_bf16(matrix, layout):
             dtypes |= {str(fh.get_slice(k).get_dtype()) for k in fh.keys()}
     assert dtypes == {"BF16"}, dtypes
     assert json.loads((run_dir / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("layout,job", [(lay, job) for lay, jobs in BUFFER_JOBS.items() if lay != "single"
+                                        for job in jobs])
+def test_bf16_with_buffers_in_the_model_dtype_matches_single(matrix, layout, job):
+    """bf16 where the parameters are cast without autocast (ZeRO-3, FSDP): the buffers Hugging Face keeps in the
+    model's dtype are cast too, and the curve is single-process bf16's (autocast) within a bf16 tolerance."""
+    r = _finished(matrix, layout, job)
+    recs, base = _curves(r["run_dir"]), _curves(_finished(matrix, "single", job)["run_dir"])
+    loss_err, norm_err = curve_errors(recs, base)
+    print(f"{job} {layout} vs single: loss {loss_err:.1e}, grad norm {norm_err:.1e}")
+    assert loss_err < BF16_TOL and norm_err < BF16_TOL, (loss_err, norm_err)
 
 
 def test_fp16_pipeline_scales_its_loss_and_matches_single(matrix):

@@ -5,6 +5,9 @@ import copy
 from contextlib import nullcontext
 
 import torch
+from torch import nn
+
+from models.init import buffers_in_model_dtype
 
 # The one map from a precision name (precision=, strategy.param_dtype / reduce_dtype, export.dtype) to its dtype.
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -18,6 +21,22 @@ def autocast_dtype(name: str):
 def element_bytes(name: str) -> int:
     """Bytes per element of precision `name`'s dtype."""
     return DTYPES[name].itemsize
+
+
+@torch.no_grad()
+def cast_buffers_in_model_dtype(model: nn.Module, dtype) -> None:
+    """Where a wrapper casts the parameters to `dtype` and no autocast runs (FSDP's mixed-precision policy,
+    DeepSpeed's bf16/fp16), the buffers Hugging Face keeps in the model's dtype go to `dtype` too, as a model
+    loaded with from_pretrained(dtype=...) holds them: left in fp32, such a table turns the activations it meets
+    into fp32 (XGLM's positions: a layer norm with bf16 weights then fails) or fails a matmul (MiniMax's decays).
+    `model`: a Hugging Face causal LM (or a peft model around one); nothing to do in fp32."""
+    if dtype is None or dtype == torch.float32:
+        return
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft: the names under it
+    names = set(buffers_in_model_dtype(base.config))
+    for name, buffer in base.named_buffers():
+        if name in names and buffer.is_floating_point():
+            buffer.data = buffer.data.to(dtype)
 
 
 class Precision:

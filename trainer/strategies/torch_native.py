@@ -55,6 +55,7 @@ from trainer.parallel.pipeline import (SCHEDULES, SPLIT_BACKWARD_SCHEDULES, Stag
 from trainer.parallel.sync import Worker
 from trainer.parallel.tensor_parallel import apply_tp, count_functional_collectives, grads_in_param_layout
 from trainer.run.loss import to_device
+from trainer.run.precision import cast_buffers_in_model_dtype
 from trainer.strategies.base import Strategy
 from trainer.strategies.capabilities import DTENSORS, TENSORS, Capabilities
 
@@ -242,6 +243,8 @@ class TorchNativeStrategy(Strategy):
         for stage, part in self.parts:
             self._parallelize(part, self.stage_modules.get(stage, part))
         self.load_initial_weights(None, initial_weights)
+        for _, part in self.parts:
+            cast_buffers_in_model_dtype(part, self.param_dtype)  # FSDP casts the parameters, no autocast
         self.state_model = self._state_view(model) if len(self.parts) > 1 else self.parts[0][1]
         self.model = self.state_model
         self.optimizer = build_optimizer(self.state_model.named_parameters())
@@ -414,6 +417,7 @@ class TorchNativeStrategy(Strategy):
         model.requires_grad_(False)
         self._parallelize(model, model)
         self._load_full_tensors(named_tensors(model), initial_weights)
+        cast_buffers_in_model_dtype(model, self.param_dtype)
         self.frozen_shards += list(model.parameters())
         return model.eval()
 
