@@ -92,7 +92,10 @@ def _ulysses_problems(text, impl: str, cp: int, tp: int) -> List[str]:
     problems = []
     heads = getattr(text, "num_attention_heads", None)
     kv = getattr(text, "num_key_value_heads", None) or heads
-    if heads is None or heads % (tp * cp):
+    if heads is None:
+        problems.append(f"strategy.cp={cp} splits attention over the context ranks: the {text.model_type} model has "
+                        f"no attention heads (num_attention_heads); use strategy.cp=1")
+    elif heads % (tp * cp):
         problems.append(f"strategy.cp={cp} (cp_impl=ulysses) splits the attention heads of each tensor-parallel "
                         f"rank over the context ranks: the {text.model_type} model has {heads} attention heads, not "
                         f"divisible by strategy.tp x strategy.cp = {tp * cp}; use a degree that divides it or "

@@ -79,6 +79,12 @@ def test_heads_split_over_tensor_and_context_ranks():
     problems = cp_problems(_cfg(cp=4), three, ParallelDims(1, 1, 1, 1, 4, cp=4), "cpu")
     assert len(problems) == 1 and "the llama model has 6 attention heads, not divisible by strategy.tp x " \
                                   "strategy.cp = 4" in problems[0]
+    from transformers import MambaConfig
+
+    problems = cp_problems(_cfg(cp=2), _info(MambaConfig(hidden_size=64, num_hidden_layers=2, vocab_size=320)),
+                           ParallelDims(1, 1, 1, 1, 2, cp=2), "cpu")
+    assert "strategy.cp=2 splits attention over the context ranks: the mamba model has no attention heads " \
+           "(num_attention_heads); use strategy.cp=1" in problems and not any("None" in p for p in problems)
 
 
 def test_fewer_key_value_heads_than_context_ranks_are_repeated_for_the_ranks_query_heads():
