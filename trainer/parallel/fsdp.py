@@ -142,14 +142,17 @@ def _write(target: torch.Tensor, read) -> None:
 
 
 class ScalarFoundInfScaler(ShardedGradScaler):
-    """ShardedGradScaler with its found-inf flags 0-d, as torch.amp.GradScaler keeps them: it makes them shape
-    (1,), and torch's fused optimizers subtract the flag from their 0-d step counters in place, which fails
-    ("output with shape [] doesn't match the broadcast shape [1]")."""
+    """ShardedGradScaler with its found-inf flags as torch.amp.GradScaler keeps them: 0-d and 0 or 1. It makes
+    them shape (1,), and torch's fused optimizers subtract the flag from their 0-d step counters in place, which
+    fails ("output with shape [] doesn't match the broadcast shape [1]"); and it sums them over the ranks, where a
+    fused kernel skips its update only for a flag of exactly 1: with 2 ranks overflowing it stepped on the
+    non-finite gradients (every weight NaN) and counted the step back twice."""
 
     def unscale_(self, optimizer) -> None:
         super().unscale_(optimizer)
         state = self._per_optimizer_states[id(optimizer)]  # GradScaler keeps its flags here only (no accessor)
-        state["found_inf_per_device"] = {d: f.reshape(()) for d, f in state["found_inf_per_device"].items()}
+        state["found_inf_per_device"] = {d: f.clamp(max=1.0).reshape(())
+                                         for d, f in state["found_inf_per_device"].items()}
 
 
 # ---- memory report (logging.memory_report): FSDP2 seen through its public module API --------------------------
