@@ -36,7 +36,12 @@ TOL = FP32_TOL
 # activation leaves some up-projection weights a gradient near AdamW's eps (1e-8), where the first step's update
 # g / (|g| + eps) follows the gradient's rounding: one weight of layer 0 moved 5.22e-4 on one process, 5.37e-4
 # under zero3 (measured from the exports after one step).
-ARCH_TOL = {"apertus": 2e-5}
+# Measured again on an AVX-512/AMX host (other kernels, other rounding): Apertus under tp 5.3e-5 (grad norm,
+# step 3); OPT 3.4e-6 under ddp, zero3, pp and cp (grad norm, step 3; exported weights up to 1% of an update
+# apart; 1e-7 on the other hosts; not traced further: its ReLU is the likely amplifier, a pre-activation that
+# rounding moves across zero switches its unit's gradient). The loss stays within 1e-6 and the first step (no
+# update yet) within TOL on every architecture (_check_parity).
+ARCH_TOL = {"apertus": 1e-4, "opt": 1e-5}
 # Learned activation parameters (Apertus' xIELU alpha_p, alpha_n) after 3 steps, against one process: ~1e-7
 # measured; summed over one tensor-parallel rank's columns only (no all-reduce), 1.3e-4 to 2.9e-3.
 ACTIVATION_TOL = 1e-5
@@ -203,6 +208,8 @@ def _final_val_loss(run_dir) -> float:
 
 def _check_parity(name: str, run_dir, ref_dir, tol: float) -> None:
     recs, ref = _curves(run_dir), _curves(ref_dir)
+    first_err = max(curve_errors(recs[:1], ref))  # before any update: the same model, whatever tol allows later
+    assert first_err < TOL, f"{name}: step 1 relative error vs single {first_err:.2e} (tolerance {TOL:g})"
     loss_err, norm_err = curve_errors(recs, ref)
     val_err = rel_err(_final_val_loss(run_dir), _final_val_loss(ref_dir))
     print(f"{name}: max relative error vs single: loss {loss_err:.1e}, grad norm {norm_err:.1e}, "
