@@ -329,6 +329,9 @@ def follow_problems(cfg) -> List[str]:
     elif not d.path or not (os.path.isdir(d.path) or os.path.isfile(d.path)):
         problems.append(f"data.follow=true: data.path={d.path!r} does not exist; point it at the JSONL file or the "
                         f"folder of *.jsonl files that records are appended to")
+    elif os.path.isfile(d.path) and not d.path.endswith(".jsonl"):
+        problems.append(f"data.follow=true reads records appended as lines to a .jsonl file: data.path={d.path!r} "
+                        f"is not one (a compressed or other file is read with data.follow=false)")
     if d.packing != "eos":
         problems.append("data.follow=true packs records with data.packing=eos; set data.packing=eos")
     if cfg.strategy.fault_tolerance != "none":

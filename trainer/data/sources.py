@@ -15,9 +15,15 @@ from trainer.data.text_files import Piece, read_documents, text_pieces
 CHAT_KINDS = ("sft", "preference")  # data kinds whose records are rendered with the chat template
 
 TEXT_EXTS = (".txt", ".text", ".md")
-JSON_EXTS = (".json", ".jsonl")
+# JSON and JSONL records, also compressed as corpora ship (.jsonl.gz, .json.zst): `datasets` decompresses them as it
+# reads, streaming too.
+COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
+JSON_EXTS = tuple(ext + c for ext in (".json", ".jsonl") for c in ("",) + COMPRESSIONS)
 PARQUET_EXTS = (".parquet",)
 SUPPORTED = TEXT_EXTS + JSON_EXTS + PARQUET_EXTS
+SUPPORTED_IN_WORDS = f"{', '.join(TEXT_EXTS)}, .json, .jsonl (also {', '.join(COMPRESSIONS)}), .parquet"
+# Plain text is read in byte ranges (parallel tokenizing, streaming shards), which a compressed stream has not.
+COMPRESSED_TEXT = tuple(ext + c for ext in TEXT_EXTS for c in COMPRESSIONS)
 
 
 def resolve_files(path_spec: str) -> List[str]:
@@ -29,7 +35,7 @@ def resolve_files(path_spec: str) -> List[str]:
             found = sorted(f for f in glob.glob(os.path.join(part, "**", "*"), recursive=True)
                            if os.path.isfile(f) and f.endswith(SUPPORTED))
             if not found:
-                raise DataError(f"data.path={part!r}: the folder holds no {', '.join(SUPPORTED)} files")
+                raise DataError(f"data.path={part!r}: the folder holds no {SUPPORTED_IN_WORDS} files")
             files += found
         elif any(ch in part for ch in "*?["):
             found = sorted(f for f in glob.glob(part, recursive=True) if os.path.isfile(f))
@@ -41,8 +47,11 @@ def resolve_files(path_spec: str) -> List[str]:
         else:
             raise DataError(f"data.path={part!r}: no such file or folder")
     for f in files:
+        if f.endswith(COMPRESSED_TEXT):
+            raise DataError(f"data.path: {f!r} is compressed plain text, which is read in byte ranges: decompress it, "
+                            f"or give its documents as compressed JSONL records (.jsonl.gz, read as they are)")
         if not f.endswith(SUPPORTED):
-            raise DataError(f"data.path: {f!r} has an unsupported extension (supported: {', '.join(SUPPORTED)})")
+            raise DataError(f"data.path: {f!r} has an unsupported extension (supported: {SUPPORTED_IN_WORDS})")
         if not os.access(f, os.R_OK):
             raise DataError(f"data.path: {f!r} is not readable")
         if os.path.getsize(f) == 0:

@@ -141,6 +141,40 @@ def test_jsonl_records_are_documents_separated_by_eos(tmp_path, tok):
     np.testing.assert_array_equal(_stream(data), expected)
 
 
+def _compress(path: Path, suffix: str) -> str:
+    """`path`'s bytes compressed as `suffix` says, beside it."""
+    import bz2
+    import gzip
+    import lzma
+
+    import zstandard
+
+    raw = path.read_bytes()
+    packed = {".gz": gzip.compress, ".bz2": bz2.compress, ".xz": lzma.compress,
+              ".zst": zstandard.ZstdCompressor().compress}[suffix](raw)
+    out = Path(str(path) + suffix)
+    out.write_bytes(packed)
+    return str(out)
+
+
+@pytest.mark.parametrize("suffix", [".gz", ".bz2", ".xz", ".zst"])
+def test_compressed_jsonl_and_json_read_as_the_plain_files(tmp_path, tok, suffix):
+    records = [{"text": f"record {i} \u2713 " * (1 + i % 3)} for i in range(7)]
+    plain = _write_jsonl(tmp_path / "c.jsonl", records)
+    (tmp_path / "a.json").write_text(json.dumps(records))
+    expected = _stream(build_data(_cfg(tmp_path, kind="text", path=plain, seq_len=4), tok, VOCAB, log=lambda m: None))
+    for packed in (_compress(tmp_path / "c.jsonl", suffix), _compress(tmp_path / "a.json", suffix)):
+        data = build_data(_cfg(tmp_path, kind="text", path=packed, seq_len=4), tok, VOCAB, log=lambda m: None)
+        np.testing.assert_array_equal(_stream(data), expected)
+
+
+def test_compressed_plain_text_is_refused_with_what_to_do(tmp_path, tok):
+    (tmp_path / "c.txt").write_text("one\n\ntwo\n")
+    packed = _compress(tmp_path / "c.txt", ".gz")
+    with pytest.raises(DataError, match=r"c\.txt\.gz' is compressed plain text.*decompress it"):
+        build_data(_cfg(tmp_path, kind="text", path=packed, seq_len=2), tok, VOCAB, log=lambda m: None)
+
+
 def test_jsonl_custom_text_field_and_max_records(tmp_path, tok):
     path = _write_jsonl(tmp_path / "c.jsonl", [{"body": "aaa"}, {"body": "bbb"}, {"body": "ccc"}])
     data = build_data(_cfg(tmp_path, kind="text", path=path, seq_len=2, text_field="body", max_records=2),

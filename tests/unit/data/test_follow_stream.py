@@ -123,3 +123,7 @@ def test_follow_problems_name_the_keys(compose, tmp_path):
     assert any("set eval.every=0" in p for p in problems), problems
     problems = C.validate(compose(["data=sft", f"data.path={tmp_path}", "data.follow=true", "eval.every=0"]), 1)
     assert any("data.kind=sft is not followed" in p for p in problems), problems
+    (tmp_path / "records.jsonl.gz").write_bytes(b"\x1f\x8b")
+    problems = C.validate(compose(["data=text", f"data.path={tmp_path}/records.jsonl.gz", "data.follow=true",
+                                   "eval.every=0"]), 1)
+    assert any("data.follow=true reads records appended as lines to a .jsonl file" in p for p in problems), problems

@@ -145,6 +145,20 @@ def test_parquet_shards_stream_and_resume_within_a_file(tmp_path, tokenizer):
     np.testing.assert_array_equal(again.take(4, SEQ), expected)
 
 
+def test_compressed_jsonl_shards_stream_as_the_plain_ones(tmp_path, tokenizer):
+    import gzip
+
+    plain = _jsonl_folder(tmp_path / "plain", files=2, records=9)
+    packed = tmp_path / "packed"
+    packed.mkdir()
+    for f in sorted(plain.glob("*.jsonl")):
+        (packed / (f.name + ".gz")).write_bytes(gzip.compress(f.read_bytes()))
+    streams = [TokenStream(StreamSource(_data(root)), tokenizer, seed=1, split_seed=0, val_fraction=0.0)
+               for root in (plain, packed)]
+    assert streams[1].source.num_shards == 2
+    np.testing.assert_array_equal(streams[1].take(6, SEQ), streams[0].take(6, SEQ))
+
+
 def test_a_hub_dataset_is_read_through_datasets_streaming(tmp_path, tokenizer, monkeypatch):
     root = _jsonl_folder(tmp_path / "hub", files=3, records=4)
     calls = []
