@@ -10,20 +10,17 @@ from dataclasses import dataclass
 from typing import Iterator, List, Optional, Tuple
 
 from tessera.errors import DataError, one_line
-from trainer.data.text_files import Piece, read_documents, text_pieces
+from trainer.data.text_files import COMPRESSIONS, Piece, read_documents, text_pieces
 
 CHAT_KINDS = ("sft", "preference")  # data kinds whose records are rendered with the chat template
 
-TEXT_EXTS = (".txt", ".text", ".md")
-# JSON and JSONL records, also compressed as corpora ship (.jsonl.gz, .json.zst): `datasets` decompresses them as it
-# reads, streaming too.
-COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
+# Plain text and JSON / JSONL records, also compressed as corpora ship (.txt.gz, .jsonl.zst): decompressed as they are
+# read (text: trainer/data/text_files.py; records: `datasets`, streaming too).
+TEXT_EXTS = tuple(ext + c for ext in (".txt", ".text", ".md") for c in ("",) + COMPRESSIONS)
 JSON_EXTS = tuple(ext + c for ext in (".json", ".jsonl") for c in ("",) + COMPRESSIONS)
 PARQUET_EXTS = (".parquet",)
 SUPPORTED = TEXT_EXTS + JSON_EXTS + PARQUET_EXTS
-SUPPORTED_IN_WORDS = f"{', '.join(TEXT_EXTS)}, .json, .jsonl (also {', '.join(COMPRESSIONS)}), .parquet"
-# Plain text is read in byte ranges (parallel tokenizing, streaming shards), which a compressed stream has not.
-COMPRESSED_TEXT = tuple(ext + c for ext in TEXT_EXTS for c in COMPRESSIONS)
+SUPPORTED_IN_WORDS = f".txt, .text, .md, .json, .jsonl (also {', '.join(COMPRESSIONS)}), .parquet"
 
 
 def resolve_files(path_spec: str) -> List[str]:
@@ -47,9 +44,6 @@ def resolve_files(path_spec: str) -> List[str]:
         else:
             raise DataError(f"data.path={part!r}: no such file or folder")
     for f in files:
-        if f.endswith(COMPRESSED_TEXT):
-            raise DataError(f"data.path: {f!r} is compressed plain text, which is read in byte ranges: decompress it, "
-                            f"or give its documents as compressed JSONL records (.jsonl.gz, read as they are)")
         if not f.endswith(SUPPORTED):
             raise DataError(f"data.path: {f!r} has an unsupported extension (supported: {SUPPORTED_IN_WORDS})")
         if not os.access(f, os.R_OK):

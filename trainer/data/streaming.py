@@ -38,7 +38,7 @@ from tessera.errors import DataError, one_line
 from trainer.data import sources
 from trainer.data.sampler import rank_slice
 from trainer.data.store import tokenizer_fingerprint
-from trainer.data.text_files import document_start_at, read_documents, text_pieces
+from trainer.data.text_files import document_start_at, is_compressed, read_documents, text_pieces
 
 SHARD_BYTES = 64 << 20  # plain-text files: the size of one shard (a byte range of whole documents)
 BATCH_RECORDS, BATCH_CHARS = 256, 1_000_000  # records per tokenizer call, at most
@@ -98,7 +98,8 @@ class StreamSource:
         if sources.file_kind(files[0]) == "text":  # byte ranges, cut at document starts when read (no scan now)
             for f in files:
                 size = os.path.getsize(f)
-                self.ranges += [(f, a, min(a + SHARD_BYTES, size)) for a in range(0, size, SHARD_BYTES)]
+                self.ranges += [(f, 0, None)] if is_compressed(f) else \
+                    [(f, a, min(a + SHARD_BYTES, size)) for a in range(0, size, SHARD_BYTES)]  # compressed: whole
             self.num_shards = len(self.ranges)
         else:
             self.ds = sources.load_local(files, streaming=True)
@@ -115,7 +116,7 @@ class StreamSource:
     def _documents(self, shard: int, first: int):
         path, a, b = self.ranges[shard]
         sep = self.d.document_separator
-        start, end = document_start_at(path, sep, a), document_start_at(path, sep, b)
+        start, end = document_start_at(path, sep, a), None if b is None else document_start_at(path, sep, b)
         index, pieces = 0, []
         for piece in read_documents(path, self.d.document_separator, self.d.max_document_chars, start=start, end=end):
             if index >= first:

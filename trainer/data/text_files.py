@@ -3,10 +3,15 @@ incrementally (UTF-8), and cut into documents at a separator (data.document_sepa
 lines). A document longer than data.max_document_chars comes out in pieces of at most that many characters (cut
 at the last whitespace before the cap where there is one), which the tokenizer takes one at a time and the store
 keeps as one document (no EOS between them). So memory holds one block and one piece at a time, whatever the size
-of the file or of its documents."""
+of the file or of its documents. A compressed file (.gz, .bz2, .xz, .zst) is decompressed as it is read; it has no
+byte offsets to start at, so it is read from its start, whole (one shard of a store or a stream)."""
 from __future__ import annotations
 
+import bz2
 import codecs
+import gzip
+import lzma
+import os
 import re
 from dataclasses import dataclass
 from typing import Iterator, List, Optional
@@ -14,6 +19,8 @@ from typing import Iterator, List, Optional
 from tessera.errors import DataError, one_line
 
 READ_BYTES = 1 << 20
+COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
+_OPENERS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
 # one or more blank (or whitespace-only) lines; ASCII whitespace only, so cuts found in bytes are the same
 BLANK_LINE = re.compile(r"\n[ \t\r\f\v]*\n[ \t\n\r\f\v]*")
 
@@ -34,11 +41,26 @@ def _splitter(separator: Optional[str]):
     return re.compile(re.escape(separator))
 
 
+def is_compressed(path: str) -> bool:
+    return path.endswith(COMPRESSIONS)
+
+
+def open_bytes(path: str):
+    """The file's bytes, decompressed where its name says it is compressed."""
+    if path.endswith(".zst"):
+        import zstandard  # .zst files only
+
+        return zstandard.open(path, "rb")
+    opener = next((o for suffix, o in _OPENERS.items() if path.endswith(suffix)), None)
+    return opener(path, "rb") if opener else open(path, "rb")
+
+
 def _decoded_blocks(path: str, read_bytes: int, start: int = 0, end: Optional[int] = None) -> Iterator[str]:
     """Bytes [start, end) of the file (end None: to its end), decoded as UTF-8 block by block."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="strict")
-    with open(path, "rb") as fh:
-        fh.seek(start)
+    with open_bytes(path) as fh:
+        if start:
+            fh.seek(start)
         left = float("inf") if end is None else end - start
         while True:
             block = fh.read(int(min(read_bytes, left)))
@@ -64,7 +86,26 @@ def read_documents(path: str, separator: Optional[str] = None, max_chars: int = 
     try:
         yield from _documents(path, _splitter(separator), max_chars, read_bytes, start, end)
     except UnicodeDecodeError as e:
-        raise DataError(f"data.path: cannot read {path}: it is not UTF-8 text ({one_line(e)})") from None
+        raise DataError(f"data.path: cannot read {path}: it is not UTF-8 text ({one_line(e)}){_named_plain(path)}") \
+            from None
+    except (OSError, EOFError, lzma.LZMAError) as e:  # a damaged or truncated compressed file
+        raise DataError(f"data.path: cannot read {path}: {one_line(e)}") from None
+    except Exception as e:  # noqa: BLE001 - zstandard's own error type (imported for .zst files only)
+        if type(e).__name__ != "ZstdError":
+            raise
+        raise DataError(f"data.path: cannot read {path}: {one_line(e)}") from None
+
+
+_MAGIC = {b"\x1f\x8b": ".gz", b"BZh": ".bz2", b"\xfd7zXZ\x00": ".xz", b"\x28\xb5\x2f\xfd": ".zst"}
+
+
+def _named_plain(path: str) -> str:
+    """A hint where a file named as plain text holds compressed bytes."""
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+    suffix = next((s for magic, s in _MAGIC.items() if head.startswith(magic)), None)
+    return f"; it is {suffix[1:]}-compressed: name it {os.path.basename(path)}{suffix}" if suffix and \
+        not is_compressed(path) else ""
 
 
 def _documents(path: str, split, max_chars: int, read_bytes: int, start: int, end: Optional[int]) -> Iterator[Piece]:

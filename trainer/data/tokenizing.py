@@ -23,7 +23,7 @@ from tessera.errors import DataError
 from trainer.data import sft, sources, shards as S
 from trainer.data.embedded import VERSION as EMBEDDED_VERSION, embedded_documents
 from trainer.data.store import tokenizer_fingerprint
-from trainer.data.text_files import Piece, document_starts, read_documents, text_pieces
+from trainer.data.text_files import Piece, document_starts, is_compressed, read_documents, text_pieces
 
 BATCH_CHARS = 1_000_000  # a batch's encodings take ~100 bytes per token inside the tokenizer
 HEAD_BYTES = 1 << 20
@@ -77,7 +77,8 @@ def shard_specs(src: Source, shard_bytes: int, shard_records: int) -> List[dict]
                             "and cap the training run instead")
         specs = []
         for i, f in enumerate(files):
-            cuts = document_starts(f, d.document_separator, shard_bytes)
+            # a compressed file is read from its start: one shard
+            cuts = [0, None] if is_compressed(f) else document_starts(f, d.document_separator, shard_bytes)
             specs += [{"file": i, "start": a, "end": b} for a, b in zip(cuts, cuts[1:])]
         return specs
     n = d.embedded_documents if d.kind == "embedded" else len(src.record_source())

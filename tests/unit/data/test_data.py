@@ -168,11 +168,32 @@ def test_compressed_jsonl_and_json_read_as_the_plain_files(tmp_path, tok, suffix
         np.testing.assert_array_equal(_stream(data), expected)
 
 
-def test_compressed_plain_text_is_refused_with_what_to_do(tmp_path, tok):
+@pytest.mark.parametrize("suffix", [".gz", ".bz2", ".xz", ".zst"])
+def test_compressed_plain_text_reads_as_the_plain_file(tmp_path, tok, suffix):
+    (tmp_path / "c.txt").write_text("".join(f"document {i} \u2713 " * (1 + i % 4) + "\n\n" for i in range(9)))
+    expected = _stream(build_data(_cfg(tmp_path, kind="text", path=str(tmp_path / "c.txt"), seq_len=4), tok, VOCAB,
+                                  log=lambda m: None))
+    packed = _compress(tmp_path / "c.txt", suffix)
+    data = build_data(_cfg(tmp_path, kind="text", path=packed, seq_len=4), tok, VOCAB, log=lambda m: None)
+    np.testing.assert_array_equal(_stream(data), expected)
+    assert "9 documents" in data.description
+
+
+def test_compressed_bytes_under_a_plain_name_say_so(tmp_path, tok):
     (tmp_path / "c.txt").write_text("one\n\ntwo\n")
-    packed = _compress(tmp_path / "c.txt", ".gz")
-    with pytest.raises(DataError, match=r"c\.txt\.gz' is compressed plain text.*decompress it"):
-        build_data(_cfg(tmp_path, kind="text", path=packed, seq_len=2), tok, VOCAB, log=lambda m: None)
+    packed = Path(_compress(tmp_path / "c.txt", ".zst"))
+    packed.rename(tmp_path / "d.txt")
+    with pytest.raises(DataError, match=r"not UTF-8 text .*; it is zst-compressed: name it d\.txt\.zst"):
+        build_data(_cfg(tmp_path, kind="text", path=str(tmp_path / "d.txt"), seq_len=2), tok, VOCAB,
+                   log=lambda m: None)
+
+
+def test_a_truncated_compressed_file_is_a_data_error(tmp_path, tok):
+    (tmp_path / "c.txt").write_text("\n\n".join(f"document {i * 7919 % 10007}" for i in range(2000)))
+    packed = Path(_compress(tmp_path / "c.txt", ".gz"))
+    packed.write_bytes(packed.read_bytes()[:len(packed.read_bytes()) // 2])
+    with pytest.raises(DataError, match=r"cannot read .*c\.txt\.gz: "):
+        build_data(_cfg(tmp_path, kind="text", path=str(packed), seq_len=2), tok, VOCAB, log=lambda m: None)
 
 
 def test_jsonl_custom_text_field_and_max_records(tmp_path, tok):

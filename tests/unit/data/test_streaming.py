@@ -159,6 +159,21 @@ def test_compressed_jsonl_shards_stream_as_the_plain_ones(tmp_path, tokenizer):
     np.testing.assert_array_equal(streams[1].take(6, SEQ), streams[0].take(6, SEQ))
 
 
+def test_a_compressed_text_file_is_one_shard_read_whole(tmp_path, tokenizer, monkeypatch):
+    import gzip
+
+    monkeypatch.setattr(streaming, "SHARD_BYTES", 64)  # the plain file: several byte ranges
+    text = "".join(_text(0, i) + "\n\n" for i in range(20))
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "c.txt").write_text(text)
+    (tmp_path / "c.txt.gz").write_bytes(gzip.compress(text.encode()))
+    plain, packed = StreamSource(_data(tmp_path / "plain")), StreamSource(_data(tmp_path / "c.txt.gz"))
+    assert plain.num_shards > 1 and packed.num_shards == 1
+    documents = [" ".join(p) for shard in range(plain.num_shards) for _, p in plain.records(shard)]
+    assert [" ".join(p) for _, p in packed.records(0)] == documents == [_text(0, i) for i in range(20)]
+    assert [i for i, _ in packed.records(0, first=17)] == [17, 18, 19]  # a resume inside the file
+
+
 def test_a_hub_dataset_is_read_through_datasets_streaming(tmp_path, tokenizer, monkeypatch):
     root = _jsonl_folder(tmp_path / "hub", files=3, records=4)
     calls = []

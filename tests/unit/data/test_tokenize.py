@@ -79,6 +79,21 @@ def test_text_files_become_shards_of_whole_documents_with_the_training_tokens(tm
         assert tokens[-1] == embedded_tokenizer().eos_token_id  # a shard ends with a whole document
 
 
+def test_compressed_text_files_are_one_shard_each_with_the_same_tokens(tmp_path):
+    import gzip
+
+    corpus = _corpus(tmp_path / "corpus")
+    packed = tmp_path / "packed"
+    packed.mkdir()
+    for f in sorted(corpus.glob("*.txt")):
+        (packed / (f.name + ".gz")).write_bytes(gzip.compress(f.read_bytes()))
+    plain = _tokenize(tmp_path / "plain-store", _cfg(kind="text", path=str(corpus)), workers=2)
+    manifest = _tokenize(tmp_path / "packed-store", _cfg(kind="text", path=str(packed)), workers=2)
+    assert len(plain["shards"]) > 4 and len(manifest["shards"]) == 2  # a compressed file has no byte ranges
+    assert manifest["num_documents"] == plain["num_documents"] == 240
+    assert _store_tokens(tmp_path / "packed-store") == _store_tokens(tmp_path / "plain-store")
+
+
 def test_the_store_is_byte_identical_for_any_number_of_workers(tmp_path):
     corpus = _corpus(tmp_path / "corpus")
     cfg = _cfg(kind="text", path=str(corpus))
