@@ -83,7 +83,18 @@ def load_local(files: List[str], streaming: bool = False):
         return datasets.load_dataset(kind, data_files=files, split="train", streaming=streaming)
     except Exception as e:  # noqa: BLE001 - datasets raises many types; the user needs one line
         raise DataError(f"data.path: cannot read {', '.join(files[:3])}{' ...' if len(files) > 3 else ''}: "
-                        f"{one_line(e.__cause__ or e)}") from None
+                        f"{_reason(e)}") from None
+
+
+def _reason(e: BaseException) -> str:
+    """The line of an exception chain that says where: datasets falls back to pandas when pyarrow fails on a
+    JSON file, and pandas' error ("Expected object or value") hides pyarrow's ("... changed from string to number
+    in row 3")."""
+    chain, link = [], e
+    while link is not None and len(chain) < 8:
+        chain.append(one_line(link))
+        link = link.__cause__ or link.__context__
+    return next((line for line in chain if " row " in line), one_line(e.__cause__ or e))
 
 
 def load_hub(name: str, config_name, split: str, revision, local: str = "data=text data.path=<a local copy>",

@@ -217,6 +217,14 @@ def test_jsonl_record_without_value_names_record_and_field(tmp_path, tok):
         build_data(_cfg(tmp_path, kind="text", path=path, seq_len=2), tok, VOCAB, log=lambda m: None)
 
 
+def test_jsonl_whose_field_changes_type_names_the_row(tmp_path, tok):
+    # pyarrow's error says where; datasets' pandas fallback ("Expected object or value") does not
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"text": "x"}\n\n{"text": null}\n{"text": 5}\n{"text": "y"}\n')  # a blank line: pandas' turn
+    with pytest.raises(DataError, match=r"cannot read .*c\.jsonl: .*changed from string to number in row \d"):
+        build_data(_cfg(tmp_path, kind="text", path=str(path), seq_len=2), tok, VOCAB, log=lambda m: None)
+
+
 def test_jsonl_non_text_value_is_a_data_error(tmp_path, tok):
     path = _write_jsonl(tmp_path / "c.jsonl", [{"text": 5}, {"text": 6}])
     with pytest.raises(DataError, match="not text"):
