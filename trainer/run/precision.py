@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 from contextlib import nullcontext
+from typing import List
 
 import torch
 from torch import nn
@@ -24,19 +25,21 @@ def element_bytes(name: str) -> int:
 
 
 @torch.no_grad()
-def cast_buffers_in_model_dtype(model: nn.Module, dtype) -> None:
+def cast_buffers_in_model_dtype(models: List[nn.Module], dtype) -> None:
     """Where a wrapper casts the parameters to `dtype` and no autocast runs (FSDP's mixed-precision policy,
     DeepSpeed's bf16/fp16), the buffers Hugging Face keeps in the model's dtype go to `dtype` too, as a model
     loaded with from_pretrained(dtype=...) holds them: left in fp32, such a table turns the activations it meets
     into fp32 (XGLM's positions: a layer norm with bf16 weights then fails) or fails a matmul (MiniMax's decays).
-    `model`: a Hugging Face causal LM (or a peft model around one); nothing to do in fp32."""
-    if dtype is None or dtype == torch.float32:
+    `models`: Hugging Face causal LMs of one config (or peft models around them: a rank's pipeline stages); their
+    buffers are listed once. Nothing to do in fp32."""
+    if dtype is None or dtype == torch.float32 or not models:
         return
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft: the names under it
-    names = set(buffers_in_model_dtype(base.config))
-    for name, buffer in base.named_buffers():
-        if name in names and buffer.is_floating_point():
-            buffer.data = buffer.data.to(dtype)
+    bases = [m.get_base_model() if hasattr(m, "get_base_model") else m for m in models]  # peft: the names under it
+    names = set(buffers_in_model_dtype(bases[0].config))
+    for base in bases:
+        for name, buffer in base.named_buffers():
+            if name in names and buffer.is_floating_point():
+                buffer.data = buffer.data.to(dtype)
 
 
 class Precision:

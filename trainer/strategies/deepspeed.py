@@ -376,7 +376,7 @@ class DeepSpeedStrategy(Strategy):
         self.ds_config, _ = build_ds_config(self.cfg, self.dp_size)
         self.prepare_blocks(model)
         self.load_initial_weights(model, initial_weights)
-        cast_buffers_in_model_dtype(model, DTYPES[self.cfg.precision.name])  # the engine casts the parameters
+        cast_buffers_in_model_dtype([model], DTYPES[self.cfg.precision.name])  # the engine casts the parameters
         model = model.to(self.device)
         optimizer = build_optimizer(model.named_parameters())
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config)
@@ -396,7 +396,7 @@ class DeepSpeedStrategy(Strategy):
         model.requires_grad_(False)
         self.prepare_blocks(model)
         self.load_initial_weights(model, initial_weights)
-        cast_buffers_in_model_dtype(model, DTYPES[self.cfg.precision.name])
+        cast_buffers_in_model_dtype([model], DTYPES[self.cfg.precision.name])
         config = dict(self.ds_config)
         if self.cfg.strategy.zero_stage != 3:
             config["zero_optimization"] = {"stage": 0}

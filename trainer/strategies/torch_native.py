@@ -243,8 +243,8 @@ class TorchNativeStrategy(Strategy):
         for stage, part in self.parts:
             self._parallelize(part, self.stage_modules.get(stage, part))
         self.load_initial_weights(None, initial_weights)
-        for _, part in self.parts:
-            cast_buffers_in_model_dtype(part, self.param_dtype)  # FSDP casts the parameters, no autocast
+        # FSDP casts the parameters, no autocast
+        cast_buffers_in_model_dtype([part for _, part in self.parts], self.param_dtype)
         self.state_model = self._state_view(model) if len(self.parts) > 1 else self.parts[0][1]
         self.model = self.state_model
         self.optimizer = build_optimizer(self.state_model.named_parameters())
@@ -417,7 +417,7 @@ class TorchNativeStrategy(Strategy):
         model.requires_grad_(False)
         self._parallelize(model, model)
         self._load_full_tensors(named_tensors(model), initial_weights)
-        cast_buffers_in_model_dtype(model, self.param_dtype)
+        cast_buffers_in_model_dtype([model], self.param_dtype)
         self.frozen_shards += list(model.parameters())
         return model.eval()
 

@@ -55,7 +55,7 @@ def test_a_bf16_forward_needs_the_cast_and_computes_what_hugging_face_bf16_compu
     _cast_parameters(model, torch.bfloat16)
     with pytest.raises(RuntimeError, match="dtype"):  # an fp32 table meets bf16 activations and weights
         model(input_ids=ids)
-    cast_buffers_in_model_dtype(model, torch.bfloat16)
+    cast_buffers_in_model_dtype([model], torch.bfloat16)
     with torch.no_grad():
         got = model(input_ids=ids).logits
     assert got.dtype == torch.bfloat16
@@ -74,10 +74,12 @@ def test_fp32_leaves_the_model_alone_and_peft_models_are_cast_under_their_base()
 
     model = _model("xglm")
     table = model.model.embed_positions.weights
-    cast_buffers_in_model_dtype(model, torch.float32)
-    cast_buffers_in_model_dtype(model, None)
+    cast_buffers_in_model_dtype([model], torch.float32)
+    cast_buffers_in_model_dtype([model], None)
     assert model.model.embed_positions.weights is table and table.dtype == torch.float32
     adapted = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
-    cast_buffers_in_model_dtype(adapted, torch.bfloat16)
+    stage = _model("xglm")  # another part of the same model (a rank's second pipeline stage): cast with it
+    cast_buffers_in_model_dtype([adapted, stage], torch.bfloat16)
     assert model.model.embed_positions.weights.dtype == torch.bfloat16
+    assert stage.model.embed_positions.weights.dtype == torch.bfloat16
     assert {p.dtype for p in adapted.parameters()} == {torch.float32}
