@@ -39,16 +39,10 @@ FP16_OVERFLOWING = ["precision=fp16", "precision.init_scale=16777216", "train.ma
                     "train.global_batch_size=4", "eval.every=0", "eval.at_end=false", "export.hf_at_end=false"]
 
 
-@pytest.fixture(scope="module")
-def fp16_single(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("fp16-single")
-    ok(launch("python", SMALL + FP16_OVERFLOWING + ["strategy=single", "train.micro_batch_size=4"], run_dir))
-    return metrics(run_dir)
-
-
-def test_fp16_overflow_steps_are_skipped_and_counted(fp16_single):
+def test_fp16_overflow_steps_are_skipped_and_counted(tmp_path):
     # A loss scale of 2^24 overflows fp16 gradients: those steps are skipped and the scale backs off.
-    recs = fp16_single
+    ok(launch("python", SMALL + FP16_OVERFLOWING + ["strategy=single", "train.micro_batch_size=4"], tmp_path))
+    recs = metrics(tmp_path)
     skipped = recs[-1]["skipped_steps"]
     # 2^24 backs off by halving on each overflow until the gradients fit: several skips, then none.
     assert 1 <= skipped <= 15, skipped
@@ -63,11 +57,12 @@ def test_fp16_overflow_on_every_shard_skips_the_step_under_fsdp(tmp_path):
     fused kernel's run is the foreach kernel's: the same skipped steps and scales, the same curve."""
     runs = {}
     for kernel in ("fused", "foreach"):
-        ok(launch("torchrun", SMALL + FP16_OVERFLOWING + ["strategy=fsdp", "train.micro_batch_size=2",
-                                                          f"optim.implementation={kernel}"], tmp_path / kernel, nproc=2))
+        overrides = ["strategy=fsdp", "train.micro_batch_size=2", f"optim.implementation={kernel}"]
+        ok(launch("torchrun", SMALL + FP16_OVERFLOWING + overrides, tmp_path / kernel, nproc=2))
         runs[kernel] = metrics(tmp_path / kernel)
     fused, foreach = runs["fused"], runs["foreach"]
-    assert len(fused) == 30 and all(r["loss"] is not None and math.isfinite(r["loss"]) for r in fused), [r["loss"] for r in fused]
+    losses = [r["loss"] for r in fused]
+    assert len(fused) == 30 and all(x is not None and math.isfinite(x) for x in losses), losses
     skipped = fused[-1]["skipped_steps"]
     assert 1 <= skipped <= 15 and fused[-1]["loss"] < fused[skipped]["loss"], fused[-1]
     assert [(r["skipped_steps"], r["loss_scale"]) for r in fused] == \

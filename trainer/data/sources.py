@@ -90,11 +90,17 @@ def _reason(e: BaseException) -> str:
     """The line of an exception chain that says where: datasets falls back to pandas when pyarrow fails on a
     JSON file, and pandas' error ("Expected object or value") hides pyarrow's ("... changed from string to number
     in row 3")."""
-    chain, link = [], e
-    while link is not None and len(chain) < 8:
-        chain.append(one_line(link))
-        link = link.__cause__ or link.__context__
-    return next((line for line in chain if " row " in line), one_line(e.__cause__ or e))
+    lines = [one_line(link) for link in _exception_chain(e)]
+    return next((line for line in lines if " row " in line), one_line(e.__cause__ or e))
+
+
+def _exception_chain(e: BaseException, most: int = 8) -> Iterator[BaseException]:
+    """`e`, then what caused it or was being handled when it was raised, and so on."""
+    link = e.__cause__ or e.__context__
+    yield e
+    while link is not None and most > 1:
+        yield link
+        link, most = link.__cause__ or link.__context__, most - 1
 
 
 def load_hub(name: str, config_name, split: str, revision, local: str = "data=text data.path=<a local copy>",
